@@ -1,0 +1,107 @@
+"""Per-peer training metrics published to the DHT in signed, schema-validated records.
+
+Every training peer stores one record per run under the DHT key ``f"{run_id}_metrics"``; the subkey is the
+peer's RSA public key (``[owner:...]``), so hivemind's ``RSASignatureValidator`` lets only the owner overwrite
+its own record, and ``SchemaValidator`` rejects records that don't match :class:`LocalMetrics`.
+An auxiliary peer (a monitor) reads all of them with :func:`fetch_metrics`.
+
+Both the publishing and the reading DHT must carry the validators: create the DHT with
+``record_validators=make_validators(run_id)`` or call :func:`add_metrics_validators` on a running one.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import hivemind
+from hivemind.utils import get_dht_time
+import pydantic.v1 as pydantic  # hivemind's SchemaValidator works with pydantic v1 models
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.dht.validation import RecordValidatorBase
+
+# how long a published record stays in the DHT if the peer stops refreshing it (e.g. because it died)
+DEFAULT_METRICS_EXPIRATION = 60.0
+
+
+class LocalMetrics(pydantic.BaseModel):
+    """What one peer reports about its own training. Strict types: the DHT schema check forbids conversions.
+
+    step: this peer's global epoch (number of collaborative optimizer steps it has taken part in)
+    loss: mean training loss over the local steps since the last report
+    samples_per_second: this peer's local training throughput
+    samples_accumulated: total samples this peer has contributed to the run so far
+    mini_steps: local optimizer steps (batches) since the last report
+    time: hivemind DHT time (``get_dht_time()``) when the record was made
+    """
+
+    step: pydantic.conint(ge=0, strict=True)
+    loss: pydantic.StrictFloat
+    samples_per_second: pydantic.confloat(ge=0.0, strict=True)
+    samples_accumulated: pydantic.conint(ge=0, strict=True)
+    mini_steps: pydantic.conint(ge=0, strict=True)
+    time: pydantic.StrictFloat
+
+
+class MetricSchema(pydantic.BaseModel):
+    metrics: Dict[BytesWithPublicKey, LocalMetrics]
+
+
+def metrics_key(run_id: str) -> str:
+    """The DHT key under which all peers of ``run_id`` publish their metrics."""
+    return f"{run_id}_metrics"
+
+
+def make_validators(run_id: str) -> List[RecordValidatorBase]:
+    """Validators for the metrics records of ``run_id``: schema check + RSA signature (process-wide key)."""
+    return [SchemaValidator(MetricSchema, prefix=run_id), RSASignatureValidator()]
+
+
+def add_metrics_validators(dht: hivemind.DHT, run_id: str) -> None:
+    """Install the metrics validators on a running DHT (needed both to publish and to read the records)."""
+    dht.add_validators(make_validators(run_id))
+
+
+def local_public_key() -> bytes:
+    """This process's public-key subkey (``[owner:...]``), the same key the signature validator signs with."""
+    return RSASignatureValidator().local_public_key
+
+
+def publish_metrics(
+    dht: hivemind.DHT,
+    run_id: str,
+    metrics: LocalMetrics,
+    expiration: float = DEFAULT_METRICS_EXPIRATION,
+    wait: bool = True,
+) -> Optional[bool]:
+    """Store this peer's ``metrics`` under the run, signed with this process's key.
+
+    Args:
+        dht: a running DHT that has the validators of :func:`make_validators` (see module docstring).
+        run_id: the training run's id (the strategy's ``run_id``).
+        metrics: the record to publish.
+        expiration: seconds until the record expires unless it is published again.
+        wait: if False, store in the background and return None (don't block the training loop).
+    """
+    future = dht.store(
+        key=metrics_key(run_id),
+        subkey=local_public_key(),
+        value=metrics.dict(),
+        expiration_time=get_dht_time() + expiration,
+        return_future=True,
+    )
+    return future.result() if wait else None
+
+
+def fetch_metrics(dht: hivemind.DHT, run_id: str, latest: bool = True) -> Dict[bytes, LocalMetrics]:
+    """All valid, unexpired metrics records of ``run_id``: a dict from the peer's public key to its metrics."""
+    found = dht.get(metrics_key(run_id), latest=latest)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    records = {}
+    for public_key, entry in found.value.items():
+        try:
+            records[public_key] = LocalMetrics.parse_obj(entry.value)
+        except pydantic.ValidationError:
+            continue  # the validators already filter these; skip anything malformed defensively
+    return records
