@@ -1,0 +1,226 @@
+"""Sparse causal attention over [bos] + text + image-grid sequences, with rotary embeddings and a KV cache.
+
+Sequence layout (shared with model.py): positions ``0 .. T`` hold ``bos, text_0 .. text_{T-1}`` (the "text
+part", ``num_text = T + 1`` tokens), positions ``T + 1 .. T + N`` hold the image codes of the ``G x G`` grid
+in raster order (the "image part", ``N = G * G``). Who may attend to whom (``dense_mask`` is the definition):
+
+- text queries: causal over the text part (never see the image);
+- image query at cell (r, c): all of the text part, plus image keys chosen by the layer type:
+    - ``full``:      every cell at or before (r, c) in raster order;
+    - ``axial_row``: cells (r, c') with c' <= c   (earlier-or-same in its row);
+    - ``axial_col``: cells (r', c) with r' <= r   (earlier-or-same in its column);
+    - ``conv_like``: cells in the k x k window centred on (r, c) that are at or before (r, c) in raster order.
+
+The training path never builds the (T+N)^2 mask: text queries run one causal SDPA over the text part, and
+image queries are gathered into groups (a row, a column, or a row with the rows above it for conv_like) that
+attend to the text keys plus a small gathered set of image keys. ``GroupedImageAttentionLayout`` holds the
+index tables for this; tests check it against ``dense_mask``. Step-by-step decoding uses the dense mask row
+of the current position over the cached keys, so it matches the full forward by construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ATTENTION_TYPES = ("full", "axial_row", "axial_col", "conv_like")
+
+
+def dense_mask(attn_type: str, num_text: int, grid_size: int, conv_kernel_size: int = 5) -> torch.Tensor:
+    """Reference boolean mask ``[L, L]`` on the CPU (True = query row may attend to key column), L = num_text + grid^2.
+
+    Args:
+        attn_type: one of ``ATTENTION_TYPES``.
+        num_text: length of the text part (bos + text tokens).
+        grid_size: side G of the image grid.
+        conv_kernel_size: odd window side k for ``conv_like``.
+    """
+    if attn_type not in ATTENTION_TYPES:
+        raise ValueError(f"unknown attention type {attn_type!r}; expected one of {ATTENTION_TYPES}")
+    with torch.device("cpu"):
+        return _dense_mask(attn_type, num_text, grid_size, conv_kernel_size)
+
+
+def _dense_mask(attn_type, num_text, grid_size, conv_kernel_size):
+    num_image = grid_size * grid_size
+    length = num_text + num_image
+    mask = torch.ones(length, length, dtype=torch.bool).tril()  # causal in raster order
+    cell = torch.arange(num_image)
+    row, col = cell // grid_size, cell % grid_size
+    if attn_type == "axial_row":
+        image_keys = row[:, None] == row[None, :]
+    elif attn_type == "axial_col":
+        image_keys = col[:, None] == col[None, :]
+    elif attn_type == "conv_like":
+        half = conv_kernel_size // 2
+        image_keys = ((row[:, None] - row[None, :]).abs() <= half) & ((col[:, None] - col[None, :]).abs() <= half)
+    else:
+        image_keys = torch.ones(num_image, num_image, dtype=torch.bool)
+    mask[num_text:, num_text:] &= image_keys
+    return mask
+
+
+class GroupedImageAttentionLayout:
+    """Index tables that let image queries attend in small groups instead of one (T+N)^2 masked attention.
+
+    Image queries are split into ``num_groups`` groups of ``group_size`` cells (``query_index``); each group
+    attends to the whole text part plus its gathered image keys (``image_key_index``), under ``mask``
+    ``[num_groups, group_size, num_text + keys_per_group]``. Built on the CPU (also when the model is
+    created on the meta device); ``to(device)`` returns a copy on another device.
+    """
+
+    def __init__(self, attn_type: str, num_text: int, grid_size: int, conv_kernel_size: int = 5):
+        with torch.device("cpu"):
+            self._build(attn_type, num_text, grid_size, conv_kernel_size)
+
+    def _build(self, attn_type, num_text, grid_size, conv_kernel_size):
+        g = grid_size
+        cells = torch.arange(g * g).view(g, g)
+        if attn_type == "axial_row":
+            query_index, key_index = cells, cells  # group = a row; keys = the same row
+        elif attn_type == "axial_col":
+            query_index, key_index = cells.t(), cells.t()  # group = a column; keys = the same column
+        elif attn_type == "conv_like":
+            # group = a row; keys = that row and the `half` rows above it (clamped at the top, masked there)
+            half = conv_kernel_size // 2
+            offsets = torch.arange(-half, 1)
+            wanted_rows = torch.arange(g)[:, None] + offsets[None, :]  # [g, half + 1]
+            rows = wanted_rows.clamp(min=0)
+            query_index, key_index = cells, cells[rows].reshape(g, (half + 1) * g)
+        elif attn_type == "full":
+            query_index, key_index = cells.reshape(1, -1), cells.reshape(1, -1)
+        else:
+            raise ValueError(f"unknown attention type {attn_type!r}; expected one of {ATTENTION_TYPES}")
+        reference = dense_mask(attn_type, num_text, grid_size, conv_kernel_size)[num_text:, num_text:]
+        image_mask = reference[query_index[:, :, None], key_index[:, None, :]]
+        if attn_type == "conv_like":  # rows clamped at the top edge are duplicates: count each key once
+            not_clamped = (rows == wanted_rows).repeat_interleave(g, dim=1)  # [g, (half + 1) * g]
+            image_mask &= not_clamped[:, None, :]
+        text_mask = torch.ones(*query_index.shape, num_text, dtype=torch.bool)
+        self.query_index = query_index.reshape(-1).contiguous()
+        self.inverse_query_index = self.query_index.argsort()
+        self.image_key_index = key_index.reshape(-1).contiguous()
+        self.mask = torch.cat([text_mask, image_mask], dim=-1)
+        self.num_groups, self.group_size = query_index.shape
+        self.keys_per_group = key_index.shape[1]
+        self.is_identity = attn_type != "axial_col"  # queries already in raster order
+
+    def to(self, device) -> "GroupedImageAttentionLayout":
+        moved = object.__new__(GroupedImageAttentionLayout)
+        moved.__dict__.update({k: v.to(device) if torch.is_tensor(v) else v for k, v in self.__dict__.items()})
+        return moved
+
+
+def grouped_attention(q, k, v, num_text: int, layout: GroupedImageAttentionLayout) -> torch.Tensor:
+    """Sparse causal attention for a whole sequence. q, k, v: ``[B, H, num_text + N, d]`` -> same shape."""
+    b, h, _, d = q.shape
+    qt, kt, vt = q[:, :, :num_text], k[:, :, :num_text], v[:, :, :num_text]
+    out_text = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+    qi, ki, vi = q[:, :, num_text:], k[:, :, num_text:], v[:, :, num_text:]
+    groups, size, keys = layout.num_groups, layout.group_size, layout.keys_per_group
+    if not layout.is_identity:
+        qi = qi.index_select(2, layout.query_index)
+    qi = qi.reshape(b, h, groups, size, d)
+    text_keys = kt[:, :, None].expand(b, h, groups, num_text, d)
+    text_values = vt[:, :, None].expand(b, h, groups, num_text, d)
+    image_keys = ki.index_select(2, layout.image_key_index).view(b, h, groups, keys, d)
+    image_values = vi.index_select(2, layout.image_key_index).view(b, h, groups, keys, d)
+    out_image = F.scaled_dot_product_attention(
+        qi, torch.cat([text_keys, image_keys], dim=3), torch.cat([text_values, image_values], dim=3),
+        attn_mask=layout.mask,
+    ).reshape(b, h, groups * size, d)
+    if not layout.is_identity:
+        out_image = out_image.index_select(2, layout.inverse_query_index)
+    return torch.cat([out_text, out_image], dim=2)
+
+
+def rotary_tables(num_text: int, grid_size: int, dim_head: int, theta: float = 10000.0):
+    """cos/sin tables ``[num_text + G^2, dim_head]`` (on the CPU) for 3-band rotary embeddings on consecutive pairs.
+
+    ``dim_head`` is split into three equal even bands (the rest stays unrotated): band 1 rotates by the 1-D
+    sequence position (text tokens 0..T; every image token sits at T + 1, right after the text), band 2 by
+    the grid row and band 3 by the grid column (text tokens sit at row = column = -1, before the grid).
+    """
+    band = (dim_head // 3) // 2 * 2
+    if band < 2:
+        raise ValueError(f"rotary embeddings need dim_head >= 6 (got {dim_head}); raise dim_head or set rotary=False")
+    with torch.device("cpu"):
+        return _rotary_tables(num_text, grid_size, dim_head, band, theta)
+
+
+def _rotary_tables(num_text, grid_size, dim_head, band, theta):
+    num_image = grid_size * grid_size
+    cell = torch.arange(num_image)
+    seq_pos = torch.cat([torch.arange(num_text), torch.full((num_image,), num_text)]).float()
+    row_pos = torch.cat([torch.full((num_text,), -1), cell // grid_size]).float()
+    col_pos = torch.cat([torch.full((num_text,), -1), cell % grid_size]).float()
+    inv_freq = theta ** (-torch.arange(0, band, 2).float() / band)  # [band / 2]
+    angles = torch.cat([pos[:, None] * inv_freq[None, :] for pos in (seq_pos, row_pos, col_pos)], dim=1)
+    angles = torch.cat([angles, torch.zeros(angles.shape[0], (dim_head - 3 * band) // 2)], dim=1)
+    angles = angles.repeat_interleave(2, dim=1)  # the same angle for both members of a pair
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs (x0, x1) of the last dim by the tabulated angles; x ``[..., L, d]``."""
+    pairs = x.unflatten(-1, (-1, 2))
+    rotated = torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class LayerCache:
+    """Keys/values of one layer for every position decoded so far: ``[B, H, max_len, d]`` each."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+class Attention(nn.Module):
+    """Multi-head attention whose mask comes from the caller (shared weights serve every layer type).
+
+    Args:
+        dim: model width.
+        heads: number of attention heads.
+        dim_head: width of each head (heads * dim_head need not equal dim).
+    """
+
+    def __init__(self, dim: int, heads: int, dim_head: int):
+        super().__init__()
+        self.heads, self.dim_head = heads, dim_head
+        self.to_qkv = nn.Linear(dim, 3 * heads * dim_head, bias=False)
+        self.to_out = nn.Linear(heads * dim_head, dim)
+
+    def _project(self, x, cos, sin):
+        q, k, v = self.to_qkv(x).unflatten(-1, (3, self.heads, self.dim_head)).permute(2, 0, 3, 1, 4)
+        if cos is not None:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return q, k, v
+
+    def _merge(self, out):
+        return self.to_out(out.transpose(1, 2).flatten(2))
+
+    def forward(self, x, num_text: int, layout: GroupedImageAttentionLayout, cos=None, sin=None):
+        """Whole-sequence attention. x ``[B, num_text + N, dim]``; cos/sin rotary tables or None."""
+        q, k, v = self._project(x, cos, sin)
+        return self._merge(grouped_attention(q, k, v, num_text, layout))
+
+    def forward_text(self, x, cos=None, sin=None, cache: LayerCache | None = None):
+        """Causal attention over a text prefix ``[B, num_text, dim]``; stores its keys/values in ``cache``."""
+        q, k, v = self._project(x, cos, sin)
+        if cache is not None:
+            cache.keys[:, :, : x.shape[1]] = k
+            cache.values[:, :, : x.shape[1]] = v
+        return self._merge(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+    def forward_step(self, x, position: int, mask_row, cache: LayerCache, cos=None, sin=None):
+        """One new token at ``position``: x ``[B, 1, dim]``; ``mask_row`` ``[position + 1]`` bool over keys."""
+        q, k, v = self._project(x, cos, sin)
+        cache.keys[:, :, position : position + 1] = k
+        cache.values[:, :, position : position + 1] = v
+        keys, values = cache.keys[:, :, : position + 1], cache.values[:, :, : position + 1]
+        return self._merge(F.scaled_dot_product_attention(q, keys, values, attn_mask=mask_row))
+

@@ -1,0 +1,362 @@
+"""DALL-E: a decoder-only transformer over [bos] + text tokens + image codes (Training Transformers Together).
+
+Sequence and targets (T = text_seq_len, G = image_grid_size, N = G * G):
+
+    position  0        1 .. T                T + 1 .. T + N
+    input     bos      text_0 .. text_{T-1}   code_0 .. code_{N-1}      (codes in raster order)
+    predicts  text_0   text_1 .. code_0       code_1 .. (nothing)
+
+- Text pads (id 0) at text position i become id ``text_vocab_size + i`` (per-position pad ids, as in
+  DALLE-pytorch), so the text embedding has ``text_vocab_size + text_seq_len`` rows; ``bos`` is row 0 (id 0
+  never occurs after the pad remapping). Targets use the same remapped ids.
+- Text logits (positions 0 .. T-1) are over the ``text_vocab_size + text_seq_len`` text rows only; image
+  logits (positions T .. T+N-1; position T is the last text token and predicts the first code) are over the
+  image codebook only. Both reuse the input embedding matrices (tied) plus a bias.
+- loss = (text CE + w * image CE) / (1 + w), w = ``image_loss_weight`` (7 in the seed run).
+
+Each layer: attention of a type (see ``attention.py``: ``axial_row``, ``axial_col``, ``conv_like``, ``full``)
+and a GEGLU feed-forward, both pre-norm, wired as a reversible coupling (or plain residuals). The
+attention+feed-forward weights ("block") may be shared by several layers (``shared_layer_ids``); layer norms
+are always per layer.
+
+Incremental decoding (for sampling)::
+
+    cache = model.new_cache(batch_size)
+    logits = model.prefill(text, cache)              # [B, image_vocab_size]: logits of code_0
+    for j in range(N - 1):
+        code = sample(logits)                         # LongTensor[B]
+        logits = model.decode_step(code, cache)      # logits of code_{j+1}, given code_0 .. code_j
+    # the last sampled code needs no forward pass
+
+This gives the same logits as ``model(text, codes)[1]`` (up to float rounding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recipes.dalle.attention import (
+    ATTENTION_TYPES,
+    Attention,
+    GroupedImageAttentionLayout,
+    LayerCache,
+    dense_mask,
+    rotary_tables,
+)
+from recipes.dalle.reversible import reversible_forward, reversible_forward_eager
+
+
+@dataclass
+class DALLEConfig:
+    """Shape of a DALL-E model.
+
+    Args:
+        dim: model width.
+        depth: number of layers.
+        heads: attention heads per layer.
+        dim_head: width of each attention head (heads * dim_head may differ from dim).
+        text_vocab_size: text tokenizer vocabulary (CLIP BPE: 49408); id 0 is the pad.
+        text_seq_len: number of text tokens per caption (T).
+        image_vocab_size: image codebook size.
+        image_grid_size: side G of the image-code grid (N = G * G codes).
+        attn_types: attention types cycled over the layers (``full``, ``axial_row``, ``axial_col``, ``conv_like``).
+        last_layer_conv: make the last layer ``conv_like`` with its own (unshared) block, as in the seed run.
+        conv_kernel_size: odd window side of ``conv_like`` layers (at most image_grid_size).
+        shared_layer_ids: block ids cycled over the layers; layers with the same id share their attention and
+            feed-forward weights (norms stay per layer). None: every layer has its own block.
+        reversible: reversible residual coupling (activations recomputed in backward, memory flat in depth).
+        rotary: rotary position embeddings (1-D over text, row/column over the grid); else learned embeddings.
+        rotary_theta: rotary frequency base.
+        ff_mult: feed-forward hidden width as a multiple of dim (GEGLU).
+        image_loss_weight: weight w of the image loss in (text + w * image) / (1 + w).
+    """
+
+    dim: int = 512
+    depth: int = 8
+    heads: int = 8
+    dim_head: int = 64
+    text_vocab_size: int = 49408
+    text_seq_len: int = 64
+    image_vocab_size: int = 8192
+    image_grid_size: int = 32
+    attn_types: tuple[str, ...] = ("axial_row", "axial_col", "axial_row", "axial_row")
+    last_layer_conv: bool = True
+    conv_kernel_size: int = 5
+    shared_layer_ids: tuple[int, ...] | None = None
+    reversible: bool = True
+    rotary: bool = True
+    rotary_theta: float = 10000.0
+    ff_mult: int = 4
+    image_loss_weight: float = 7.0
+
+    def __post_init__(self):
+        self.attn_types = tuple(self.attn_types)
+        if self.shared_layer_ids is not None:
+            self.shared_layer_ids = tuple(int(i) for i in self.shared_layer_ids)
+        for name in ("dim", "depth", "heads", "dim_head", "text_vocab_size", "text_seq_len",
+                     "image_vocab_size", "image_grid_size", "ff_mult"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DALLEConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.attn_types:
+            raise ValueError("DALLEConfig.attn_types is empty; give at least one attention type")
+        for attn_type in self.attn_types:
+            if attn_type not in ATTENTION_TYPES:
+                raise ValueError(f"DALLEConfig.attn_types has unknown type {attn_type!r}; use {ATTENTION_TYPES}")
+        if "conv_like" in self.layer_attn_types():
+            k = self.conv_kernel_size
+            if k % 2 == 0 or k < 1 or k > self.image_grid_size:
+                raise ValueError(
+                    f"DALLEConfig.conv_kernel_size must be odd and between 1 and image_grid_size "
+                    f"({self.image_grid_size}), got {k}"
+                )
+        if self.shared_layer_ids is not None and len(self.shared_layer_ids) == 0:
+            raise ValueError("DALLEConfig.shared_layer_ids is empty; use None for no sharing")
+        if self.rotary and self.dim_head % 2:
+            raise ValueError(f"rotary embeddings need an even dim_head, got {self.dim_head}")
+        if self.rotary and self.dim_head < 6:
+            raise ValueError(f"rotary embeddings need dim_head >= 6, got {self.dim_head}; or set rotary=False")
+        if self.image_loss_weight < 0:
+            raise ValueError(f"DALLEConfig.image_loss_weight must be >= 0, got {self.image_loss_weight}")
+
+    @classmethod
+    def seed_1b(cls, **overrides) -> "DALLEConfig":
+        """The seed run's ~1.1B-parameter model (about 0.14B unique parameters thanks to weight sharing)."""
+        values = dict(dim=1024, depth=64, heads=16, dim_head=64, text_seq_len=256, image_vocab_size=8192,
+                      image_grid_size=32, shared_layer_ids=(0, 1, 2, 3), reversible=True, rotary=True)
+        values.update(overrides)
+        return cls(**values)
+
+    @property
+    def num_text(self) -> int:
+        """Length of the text part of the sequence: bos + text tokens."""
+        return self.text_seq_len + 1
+
+    @property
+    def num_image(self) -> int:
+        return self.image_grid_size**2
+
+    def layer_attn_types(self) -> list[str]:
+        """Attention type of every layer."""
+        types = [self.attn_types[i % len(self.attn_types)] for i in range(self.depth)]
+        if self.last_layer_conv:
+            types[-1] = "conv_like"
+        return types
+
+    def layer_block_ids(self) -> list[int]:
+        """Index of the (possibly shared) attention+feed-forward block each layer uses (0 .. num_blocks-1)."""
+        if self.shared_layer_ids is None:
+            return list(range(self.depth))
+        ids = [self.shared_layer_ids[i % len(self.shared_layer_ids)] for i in range(self.depth)]
+        if self.last_layer_conv:
+            ids[-1] = max(ids) + 1  # the conv layer gets its own block
+        renumber = {block_id: i for i, block_id in enumerate(dict.fromkeys(ids))}
+        return [renumber[i] for i in ids]
+
+
+class FeedForward(nn.Module):
+    """GEGLU feed-forward: ``W2 (a * gelu(b))`` with ``[a, b] = W1 x``."""
+
+    def __init__(self, dim: int, mult: int):
+        super().__init__()
+        self.proj_in = nn.Linear(dim, 2 * mult * dim)
+        self.proj_out = nn.Linear(mult * dim, dim)
+
+    def forward(self, x):
+        a, gate = self.proj_in(x).chunk(2, dim=-1)
+        return self.proj_out(a * F.gelu(gate))
+
+
+class Block(nn.Module):
+    """The weights one or more layers share: attention and feed-forward."""
+
+    def __init__(self, config: DALLEConfig):
+        super().__init__()
+        self.attn = Attention(config.dim, config.heads, config.dim_head)
+        self.ff = FeedForward(config.dim, config.ff_mult)
+
+
+@dataclass
+class DALLECache:
+    """Per-layer keys/values for incremental decoding; ``length`` = number of sequence positions filled."""
+
+    layers: list[LayerCache]
+    length: int = 0
+    batch_size: int = field(default=0)
+
+
+class DALLE(nn.Module):
+    """DALL-E transformer (see the module docstring for the sequence layout and the decoding API).
+
+    Args:
+        config: the model shape (``DALLEConfig``).
+    """
+
+    def __init__(self, config: DALLEConfig):
+        super().__init__()
+        self.config = c = config
+        self.text_emb = nn.Embedding(c.text_vocab_size + c.text_seq_len, c.dim)  # row 0 doubles as bos
+        self.image_emb = nn.Embedding(c.image_vocab_size, c.dim)
+        if not c.rotary:
+            self.text_pos_emb = nn.Embedding(c.num_text, c.dim)
+            self.image_row_emb = nn.Embedding(c.image_grid_size, c.dim)
+            self.image_col_emb = nn.Embedding(c.image_grid_size, c.dim)
+        self.layer_types = c.layer_attn_types()
+        self.layer_block_ids = c.layer_block_ids()
+        self.blocks = nn.ModuleList(Block(c) for _ in range(max(self.layer_block_ids) + 1))
+        self.attn_norms = nn.ModuleList(nn.LayerNorm(c.dim) for _ in range(c.depth))
+        self.ff_norms = nn.ModuleList(nn.LayerNorm(c.dim) for _ in range(c.depth))
+        self.final_norm = nn.LayerNorm(c.dim)
+        self.text_logits_bias = nn.Parameter(torch.zeros(c.text_vocab_size + c.text_seq_len))
+        self.image_logits_bias = nn.Parameter(torch.zeros(c.image_vocab_size))
+        self._tables: dict = {}  # per device: attention layouts, rotary tables, dense masks (built lazily)
+        self._init_weights()
+
+    def _init_weights(self):
+        """GPT-2 style: N(0, 0.02) weights, zero biases, residual output projections scaled by depth."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        for block in self.blocks:
+            for linear in (block.attn.to_out, block.ff.proj_out):
+                nn.init.normal_(linear.weight, std=0.02 / (2 * self.config.depth) ** 0.5)
+
+    def num_parameters(self, unique: bool = True) -> int:
+        """Parameter count; ``unique=False`` counts a shared block once per layer that uses it."""
+        total = sum(p.numel() for p in self.parameters())
+        if unique:
+            return total
+        block_sizes = [sum(p.numel() for p in block.parameters()) for block in self.blocks]
+        return total - sum(block_sizes) + sum(block_sizes[i] for i in self.layer_block_ids)
+
+    # ----- tables -----------------------------------------------------------------------------------
+    def tables(self, device: torch.device) -> dict:
+        """Attention layouts, rotary cos/sin and dense reference masks on ``device`` (cached)."""
+        key = str(device)
+        if key not in self._tables:
+            c = self.config
+            tables = {"layouts": {}, "dense": {}}
+            for attn_type in set(self.layer_types):
+                layout = GroupedImageAttentionLayout(attn_type, c.num_text, c.image_grid_size, c.conv_kernel_size)
+                tables["layouts"][attn_type] = layout.to(device)
+                tables["dense"][attn_type] = None  # built on first decode
+            if c.rotary:
+                cos, sin = rotary_tables(c.num_text, c.image_grid_size, c.dim_head, c.rotary_theta)
+                tables["cos"], tables["sin"] = cos.to(device), sin.to(device)
+            else:
+                tables["cos"] = tables["sin"] = None
+            self._tables[key] = tables
+        return self._tables[key]
+
+    def _dense_mask(self, attn_type: str, device) -> torch.Tensor:
+        tables = self.tables(device)
+        if tables["dense"][attn_type] is None:
+            c = self.config
+            mask = dense_mask(attn_type, c.num_text, c.image_grid_size, c.conv_kernel_size)
+            tables["dense"][attn_type] = mask.to(device)
+        return tables["dense"][attn_type]
+
+    # ----- embedding and heads ----------------------------------------------------------------------
+    def text_tokens(self, text: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` caption ids (0 = pad) -> ``[B, T]`` ids with per-position pad ids."""
+        c = self.config
+        if text.shape[1] != c.text_seq_len:
+            raise ValueError(f"text has {text.shape[1]} tokens per row, the model expects {c.text_seq_len}")
+        positions = torch.arange(c.text_seq_len, device=text.device)
+        return torch.where(text == 0, c.text_vocab_size + positions, text)
+
+    def _embed_text(self, text_ids: torch.Tensor) -> torch.Tensor:
+        """Remapped text ids ``[B, T]`` -> embedded text part (bos + text) ``[B, T + 1, dim]``."""
+        bos = torch.zeros_like(text_ids[:, :1])
+        h = self.text_emb(torch.cat([bos, text_ids], dim=1))
+        if not self.config.rotary:
+            h = h + self.text_pos_emb.weight
+        return h
+
+    def _embed_image(self, image: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Codes ``[B, n]`` for grid cells ``start .. start+n-1`` -> ``[B, n, dim]``."""
+        h = self.image_emb(image)
+        if not self.config.rotary:
+            cells = torch.arange(start, start + image.shape[1], device=image.device)
+            g = self.config.image_grid_size
+            h = h + self.image_row_emb(cells // g) + self.image_col_emb(cells % g)
+        return h
+
+    def _text_logits(self, h):
+        return F.linear(self.final_norm(h), self.text_emb.weight, self.text_logits_bias)
+
+    def _image_logits(self, h):
+        return F.linear(self.final_norm(h), self.image_emb.weight, self.image_logits_bias)
+
+    # ----- layers -----------------------------------------------------------------------------------
+    def _branches(self, attend):
+        """Per layer, (f, g) callables and the parameters each reads; ``attend(layer, block, x)`` is f's core."""
+        layers, params = [], []
+        for i, block_id in enumerate(self.layer_block_ids):
+            block, attn_norm, ff_norm = self.blocks[block_id], self.attn_norms[i], self.ff_norms[i]
+
+            def f(x, i=i, block=block, attn_norm=attn_norm):
+                return attend(i, block, attn_norm(x))
+
+            def g(x, block=block, ff_norm=ff_norm):
+                return block.ff(ff_norm(x))
+
+            layers.append((f, g))
+            params.append((list(attn_norm.parameters()) + list(block.attn.parameters()),
+                           list(ff_norm.parameters()) + list(block.ff.parameters())))
+        return layers, params
+
+    def _run_layers(self, h, attend, allow_recompute: bool = True):
+        layers, params = self._branches(attend)
+        if self.config.reversible:
+            run = reversible_forward if allow_recompute else lambda a, b, lay, _: reversible_forward_eager(a, b, lay)
+            y1, y2 = run(h, h, layers, params)
+            return (y1 + y2) / 2
+        for f, g in layers:
+            h = h + f(h)
+            h = h + g(h)
+        return h
+
+    def hidden_states(self, text: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+        """Final hidden states ``[B, T + 1 + N, dim]`` (before the final norm) of the whole sequence."""
+        c = self.config
+        if image.shape[1] != c.num_image:
+            raise ValueError(f"image has {image.shape[1]} codes per row, the model expects {c.num_image}")
+        h = torch.cat([self._embed_text(self.text_tokens(text)), self._embed_image(image)], dim=1)
+        tables = self.tables(h.device)
+        cos, sin = tables["cos"], tables["sin"]
+        if cos is not None:
+            cos, sin = cos.to(h.dtype), sin.to(h.dtype)
+
+        def attend(i, block, x):
+            return block.attn(x, c.num_text, tables["layouts"][self.layer_types[i]], cos, sin)
+
+        return self._run_layers(h, attend)
+
+    def forward(self, text: torch.Tensor, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits for a batch of captions and images.
+
+        Args:
+            text: ``LongTensor[B, text_seq_len]`` caption token ids, 0 = pad.
+            image: ``LongTensor[B, image_grid_size ** 2]`` image codes in raster order.
+
+        Returns:
+            ``text_logits [B, T, text_vocab_size + T]`` (position i predicts the remapped text id i) and
+            ``image_logits [B, N, image_vocab_size]`` (position j predicts code j).
+        """
+        t = self.config.text_seq_len
+        h = self.hidden_states(text, image)
+        return self._text_logits(h[:, :t]), self._image_logits(h[:, t : t + self.config.num_image])
+
+    def compute_loss(self, text: torch.Tensor, image: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Cross-entropy losses: ``dict(loss, text_loss, image_loss)`` (see ``DALLEConfig.image_loss_weight``)."""
+        text_logits, image_logits = self(text, image)
+        text_loss = F.cross_entropy(text_logits.flatten(0, 1).float(), self.text_tokens(text).flatten())
+        image_loss = F.cross_entropy(image_logits.flatten(0, 1).float(), image.flatten())
+        w = self.config.image_loss_weight
+        return {"loss": (text_loss + w * image_loss) / (1 + w), "text_loss": text_loss, "image_loss": image_loss}
