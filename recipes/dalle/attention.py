@@ -222,5 +222,5 @@ class Attention(nn.Module):
         cache.keys[:, :, position : position + 1] = k
         cache.values[:, :, position : position + 1] = v
         keys, values = cache.keys[:, :, : position + 1], cache.values[:, :, : position + 1]
-        return self._merge(F.scaled_dot_product_attention(q, keys, values, attn_mask=mask_row))
+        return self._merge(F.scaled_dot_product_attention(q, keys, values, attn_mask=mask_row.view(1, -1)))
 
