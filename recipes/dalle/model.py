@@ -28,26 +28,22 @@ Incremental decoding (for sampling)::
         logits = model.decode_step(code, cache)      # logits of code_{j+1}, given code_0 .. code_j
     # the last sampled code needs no forward pass
 
-This gives the same logits as ``model(text, codes)[1]`` (up to float rounding).
+This gives the same logits as ``model(text, codes)[1]`` (up to float rounding); see ``decoding.py``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recipes.dalle.attention import (
-    ATTENTION_TYPES,
-    Attention,
-    GroupedImageAttentionLayout,
-    LayerCache,
-    dense_mask,
-    rotary_tables,
-)
+from recipes.dalle.attention import ATTENTION_TYPES, Attention, GroupedImageAttentionLayout, dense_mask, rotary_tables
+from recipes.dalle.decoding import DALLECache, IncrementalDecodingMixin
 from recipes.dalle.reversible import reversible_forward, reversible_forward_eager
+
+__all__ = ["DALLE", "DALLECache", "DALLEConfig"]
 
 
 @dataclass
@@ -179,16 +175,7 @@ class Block(nn.Module):
         self.ff = FeedForward(config.dim, config.ff_mult)
 
 
-@dataclass
-class DALLECache:
-    """Per-layer keys/values for incremental decoding; ``length`` = number of sequence positions filled."""
-
-    layers: list[LayerCache]
-    length: int = 0
-    batch_size: int = field(default=0)
-
-
-class DALLE(nn.Module):
+class DALLE(IncrementalDecodingMixin, nn.Module):
     """DALL-E transformer (see the module docstring for the sequence layout and the decoding API).
 
     Args:
@@ -361,71 +348,3 @@ class DALLE(nn.Module):
         w = self.config.image_loss_weight
         return {"loss": (text_loss + w * image_loss) / (1 + w), "text_loss": text_loss, "image_loss": image_loss}
 
-    # ----- incremental decoding ---------------------------------------------------------------------
-    def new_cache(self, batch_size: int, device=None, dtype=None) -> DALLECache:
-        """Empty key/value cache for ``batch_size`` sequences (defaults: the model's device and dtype)."""
-        c = self.config
-        reference = self.image_emb.weight
-        device, dtype = device or reference.device, dtype or reference.dtype
-        shape = (batch_size, c.heads, c.num_text + c.num_image, c.dim_head)
-        layers = [LayerCache(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
-                  for _ in range(c.depth)]
-        return DALLECache(layers=layers, length=0, batch_size=batch_size)
-
-    def _rotary_at(self, device, start: int, stop: int, dtype):
-        tables = self.tables(device)
-        if tables["cos"] is None:
-            return None, None
-        return tables["cos"][start:stop].to(dtype), tables["sin"][start:stop].to(dtype)
-
-    @torch.no_grad()
-    def prefill(self, text: torch.Tensor, cache: DALLECache) -> torch.Tensor:
-        """Run bos + text through the model, filling ``cache``.
-
-        Args:
-            text: ``LongTensor[B, text_seq_len]`` caption ids (0 = pad).
-            cache: a fresh cache from ``new_cache(B)``.
-
-        Returns:
-            logits of the first image code, ``[B, image_vocab_size]``.
-        """
-        if cache.length != 0:
-            raise ValueError("prefill needs an empty cache (from new_cache)")
-        h = self._embed_text(self.text_tokens(text))
-        cos, sin = self._rotary_at(h.device, 0, h.shape[1], h.dtype)
-
-        def attend(i, block, x):
-            return block.attn.forward_text(x, cos, sin, cache.layers[i])
-
-        h = self._run_layers(h, attend, allow_recompute=False)
-        cache.length = h.shape[1]
-        return self._image_logits(h[:, -1])
-
-    @torch.no_grad()
-    def decode_step(self, code: torch.Tensor, cache: DALLECache) -> torch.Tensor:
-        """Feed the next image code and return the logits of the code after it.
-
-        Args:
-            code: ``LongTensor[B]``, the code of grid cell ``j = cache.length - (text_seq_len + 1)``.
-            cache: a cache filled by ``prefill`` and earlier ``decode_step`` calls (updated in place).
-
-        Returns:
-            logits of code ``j + 1``, ``[B, image_vocab_size]``.
-        """
-        c = self.config
-        position = cache.length
-        cell = position - c.num_text
-        if cell < 0:
-            raise ValueError("call prefill(text, cache) before decode_step")
-        if cell >= c.num_image - 1:
-            raise ValueError(f"all {c.num_image} codes are known after {c.num_image - 1} decode steps; nothing left to predict")
-        h = self._embed_image(code.view(-1, 1), start=cell)
-        cos, sin = self._rotary_at(h.device, position, position + 1, h.dtype)
-
-        def attend(i, block, x):
-            mask_row = self._dense_mask(self.layer_types[i], x.device)[position, : position + 1]
-            return block.attn.forward_step(x, position, mask_row, cache.layers[i], cos, sin)
-
-        h = self._run_layers(h, attend, allow_recompute=False)
-        cache.length = position + 1
-        return self._image_logits(h[:, -1])
