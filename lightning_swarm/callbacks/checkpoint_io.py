@@ -1,0 +1,354 @@
+"""The on-disk checkpoint format: safetensors + JSON, written atomically, readable from any fsspec URL.
+
+A checkpoint is a directory::
+
+    model.safetensors        module.state_dict() (tied weights stored once, see safetensors.torch.save_model)
+    training_state.safetensors  every tensor of the optimizer and scheduler states, flattened
+    training_state.json      the non-tensor structure of those states; tensors appear as {"__tensor__": key}
+    meta.json                run id, global epoch, samples seen, loss, time, ...
+
+Checkpoints of one run live side by side under a root directory, next to a ``latest`` file that names the
+newest complete one::
+
+    root/latest              "epoch_000012"
+    root/epoch_000010/...
+    root/epoch_000012/...
+
+Nothing read back is unpickled: tensors come from safetensors, everything else from JSON.
+A save writes into a hidden temporary directory, renames it into place, then replaces ``latest``
+(``os.replace``), so a crash at any point leaves the previous checkpoint loadable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+import torch
+from safetensors.torch import load_file, save_file, save_model, load_model
+
+logger = logging.getLogger(__name__)
+
+FORMAT_NAME = "lightning-swarm-checkpoint"
+FORMAT_VERSION = 1
+MODEL_FILE = "model.safetensors"
+STATE_TENSORS_FILE = "training_state.safetensors"
+STATE_JSON_FILE = "training_state.json"
+META_FILE = "meta.json"
+LATEST_FILE = "latest"
+CHECKPOINT_FILES = (MODEL_FILE, STATE_TENSORS_FILE, STATE_JSON_FILE, META_FILE)
+TMP_PREFIX = ".tmp-"
+
+
+def checkpoint_name(global_epoch: int) -> str:
+    """Directory name of the checkpoint taken at ``global_epoch`` (zero-padded so names sort by epoch)."""
+    return f"epoch_{global_epoch:06d}"
+
+
+# --------------------------------------------------------------------------- state flattening (no pickle)
+
+
+def flatten_state(obj: Any, tensors: Dict[str, torch.Tensor], path: str = "") -> Any:
+    """Turn a nested optimizer/scheduler state into JSON, moving every tensor into ``tensors``.
+
+    Tensors become ``{"__tensor__": key}``, tuples ``{"__tuple__": [...]}`` and dicts whose keys are not all
+    strings (optimizer states are keyed by int) ``{"__dict__": [[key, value], ...]}``. Values JSON can't hold
+    (e.g. lambdas inside a LambdaLR state) are dropped with a warning: the scheduler rebuilds them in code.
+    """
+    if isinstance(obj, torch.Tensor):
+        key = path or "tensor"
+        tensors[key] = obj.detach().to("cpu").contiguous()
+        return {"__tensor__": key}
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {k: flatten_state(v, tensors, f"{path}.{k}") for k, v in obj.items()}
+        items = []
+        for k, v in obj.items():
+            if not isinstance(k, (str, int, float, bool)) and k is not None:
+                logger.warning(f"Checkpoint: dropping state entry {path}.{k!r}: key type {type(k).__name__}")
+                continue
+            items.append([k, flatten_state(v, tensors, f"{path}.{k}")])
+        return {"__dict__": items}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [flatten_state(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [flatten_state(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, (bool, int, str)):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else {"__float__": repr(obj)}  # keep inf/nan exactly, JSON-valid
+    logger.warning(f"Checkpoint: dropping state entry {path}: {type(obj).__name__} is not tensor/JSON data")
+    return None
+
+
+def unflatten_state(obj: Any, tensors: Dict[str, torch.Tensor]) -> Any:
+    """Inverse of :func:`flatten_state`."""
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        if "__tuple__" in obj:
+            return tuple(unflatten_state(v, tensors) for v in obj["__tuple__"])
+        if "__dict__" in obj:
+            return {k: unflatten_state(v, tensors) for k, v in obj["__dict__"]}
+        if "__float__" in obj:
+            return float(obj["__float__"])
+        return {k: unflatten_state(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [unflatten_state(v, tensors) for v in obj]
+    return obj
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _write_json(path: str, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_file(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _save_tensors(tensors: Dict[str, torch.Tensor], path: str) -> None:
+    save_file(tensors, path)
+    _fsync_file(path)
+
+
+def write_checkpoint_dir(
+    directory: str,
+    module: torch.nn.Module,
+    optimizer_states: List[dict],
+    scheduler_states: List[dict],
+    meta: Dict[str, Any],
+) -> None:
+    """Write the files of one checkpoint into an existing, empty ``directory`` (not atomic by itself)."""
+    save_model(module, os.path.join(directory, MODEL_FILE))
+    _fsync_file(os.path.join(directory, MODEL_FILE))
+    tensors: Dict[str, torch.Tensor] = {}
+    structure = dict(
+        optimizers=[flatten_state(s, tensors, f"optimizers.{i}") for i, s in enumerate(optimizer_states)],
+        schedulers=[flatten_state(s, tensors, f"schedulers.{i}") for i, s in enumerate(scheduler_states)],
+    )
+    _save_tensors(tensors, os.path.join(directory, STATE_TENSORS_FILE))
+    _write_json(os.path.join(directory, STATE_JSON_FILE), structure)
+    _write_json(os.path.join(directory, META_FILE), dict(meta, format=FORMAT_NAME, format_version=FORMAT_VERSION))
+
+
+def save_checkpoint(
+    root: str,
+    module: torch.nn.Module,
+    optimizer_states: List[dict] = (),
+    scheduler_states: List[dict] = (),
+    *,
+    global_epoch: int,
+    run_id: Optional[str] = None,
+    samples_seen: Optional[int] = None,
+    loss: Optional[float] = None,
+    extra_meta: Optional[Dict[str, Any]] = None,
+    keep_last: Optional[int] = None,
+    protected: Optional[set] = None,
+) -> str:
+    """Atomically save a checkpoint under the local directory ``root`` and point ``root/latest`` at it.
+
+    Args:
+        root: local directory holding this run's checkpoints (created if missing).
+        module: the model; its ``state_dict()`` is saved as safetensors.
+        optimizer_states: ``optimizer.state_dict()`` of each optimizer.
+        scheduler_states: ``scheduler.state_dict()`` of each LR scheduler.
+        global_epoch: the collaborative step (or local step without a swarm) the state belongs to.
+        run_id: the swarm's run id, recorded in meta.json.
+        samples_seen: samples the whole run has trained on so far.
+        loss: the latest training loss.
+        extra_meta: more JSON-serializable fields for meta.json.
+        keep_last: if set, delete all but the newest ``keep_last`` checkpoints afterwards.
+        protected: names of checkpoints that pruning must not delete (e.g. still being uploaded).
+    Returns:
+        the path of the new checkpoint directory.
+    """
+    os.makedirs(root, exist_ok=True)
+    name = checkpoint_name(global_epoch)
+    suffix = 0
+    while os.path.exists(os.path.join(root, name)):  # re-saving an epoch (e.g. on train end): never overwrite
+        suffix += 1
+        name = f"{checkpoint_name(global_epoch)}.{suffix}"
+    final_dir = os.path.join(root, name)
+    tmp_dir = os.path.join(root, f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
+    os.makedirs(tmp_dir)
+    meta = dict(
+        run_id=run_id,
+        global_epoch=int(global_epoch),
+        samples_seen=None if samples_seen is None else int(samples_seen),
+        loss=None if loss is None or not math.isfinite(loss) else float(loss),
+        time=time.time(),
+        time_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        module_class=f"{type(module).__module__}.{type(module).__qualname__}",
+        **(extra_meta or {}),
+    )
+    try:
+        write_checkpoint_dir(tmp_dir, module, list(optimizer_states), list(scheduler_states), meta)
+        os.rename(tmp_dir, final_dir)
+        _write_latest(root, name)
+    finally:
+        if os.path.exists(tmp_dir):
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+    if keep_last is not None:
+        prune_checkpoints(root, keep_last, protected=protected)
+    return final_dir
+
+
+def _write_latest(root: str, name: str) -> None:
+    tmp = os.path.join(root, f"{TMP_PREFIX}{LATEST_FILE}-{uuid.uuid4().hex[:8]}")
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, LATEST_FILE))
+    dir_fd = os.open(root, os.O_RDONLY)  # make the rename itself durable
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def list_checkpoints(root: str) -> List[str]:
+    """Names of the complete checkpoints under a local ``root``, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(
+        name
+        for name in os.listdir(root)
+        if not name.startswith(TMP_PREFIX) and os.path.isfile(os.path.join(root, name, META_FILE))
+    )
+
+
+def prune_checkpoints(root: str, keep_last: int, protected: Optional[set] = None) -> List[str]:
+    """Delete all but the newest ``keep_last`` checkpoints (never the one ``latest`` names, nor ``protected``
+    ones), and leftovers of interrupted saves. Returns the deleted names."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    protected = set(protected or ())
+    latest = read_latest_name(root)
+    if latest:
+        protected.add(latest)
+    names = list_checkpoints(root)
+    deleted = [n for n in names[:-keep_last] if n not in protected]
+    for name in deleted:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    for name in os.listdir(root):  # leftovers of saves that were killed midway
+        if name.startswith(TMP_PREFIX):
+            path = os.path.join(root, name)
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+    return deleted
+
+
+def read_latest_name(root: str) -> Optional[str]:
+    path = os.path.join(root, LATEST_FILE)
+    if not os.path.isfile(path):
+        return None
+    return open(path).read().strip() or None
+
+
+# --------------------------------------------------------------------------- reading
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint read back: ``meta`` from meta.json, the model file's local path, and the training state."""
+
+    url: str
+    meta: Dict[str, Any]
+    model_file: str
+    optimizer_states: List[dict] = field(default_factory=list)
+    scheduler_states: List[dict] = field(default_factory=list)
+
+    def model_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The saved tensors by name (tied weights appear once; use :meth:`load_into` to restore a module)."""
+        return load_file(self.model_file)
+
+    def load_into(self, module: torch.nn.Module, strict: bool = True) -> None:
+        """Copy the saved weights into ``module`` (in place, on the module's device)."""
+        device = next(iter(module.parameters()), torch.empty(0)).device
+        load_model(module, self.model_file, strict=strict, device=str(device))
+
+
+def resolve_checkpoint_url(url: str) -> str:
+    """The URL of one checkpoint directory: ``url`` itself if it holds meta.json, else the one ``url/latest``
+    names. Raises FileNotFoundError with a clear message when neither exists."""
+    fs, path = fsspec.core.url_to_fs(url)
+    path = path.rstrip("/")
+    if fs.isfile(f"{path}/{META_FILE}"):
+        return url.rstrip("/")
+    if fs.isfile(f"{path}/{LATEST_FILE}"):
+        name = fs.cat_file(f"{path}/{LATEST_FILE}").decode().strip()
+        return f"{url.rstrip('/')}/{name}"
+    raise FileNotFoundError(
+        f"No checkpoint at {url!r}: expected {META_FILE} (a checkpoint directory) or {LATEST_FILE} "
+        f"(a directory of checkpoints written by SwarmCheckpoint)"
+    )
+
+
+def read_checkpoint(url: str, cache_dir: Optional[str] = None) -> Checkpoint:
+    """Read a checkpoint from a local path or any fsspec URL (``memory://``, ``s3://``, ``hf://user/repo``).
+
+    Args:
+        url: a checkpoint directory, or a root with a ``latest`` file (the newest checkpoint is read).
+        cache_dir: where remote files are downloaded (a fresh temporary directory by default).
+    """
+    url = resolve_checkpoint_url(url)
+    fs, path = fsspec.core.url_to_fs(url)
+    if isinstance(fs, LocalFileSystem):
+        local_dir = path
+    else:
+        local_dir = cache_dir or tempfile.mkdtemp(prefix="swarm-ckpt-")
+        os.makedirs(local_dir, exist_ok=True)
+        for name in CHECKPOINT_FILES:
+            fs.get_file(f"{path}/{name}", os.path.join(local_dir, name))
+    with open(os.path.join(local_dir, META_FILE)) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT_NAME:
+        raise ValueError(f"{url!r} is not a {FORMAT_NAME} (meta.json format={meta.get('format')!r})")
+    with open(os.path.join(local_dir, STATE_JSON_FILE)) as f:
+        structure = json.load(f)
+    tensors = load_file(os.path.join(local_dir, STATE_TENSORS_FILE))
+    return Checkpoint(
+        url=url,
+        meta=meta,
+        model_file=os.path.join(local_dir, MODEL_FILE),
+        optimizer_states=[unflatten_state(s, tensors) for s in structure["optimizers"]],
+        scheduler_states=[unflatten_state(s, tensors) for s in structure["schedulers"]],
+    )
+
+
+def load_checkpoint(
+    url: str,
+    module: torch.nn.Module,
+    optimizers: Optional[List[Any]] = None,
+    schedulers: Optional[List[Any]] = None,
+    strict: bool = True,
+) -> Dict[str, Any]:
+    """Load the checkpoint at ``url`` into ``module`` (and optionally optimizers/schedulers); return its meta.
+
+    A recipe calls this to start from a checkpoint, e.g. ``load_checkpoint("hf://user/run", model)``.
+    """
+    checkpoint = read_checkpoint(url)
+    checkpoint.load_into(module, strict=strict)
+    for opt, state in zip(optimizers or [], checkpoint.optimizer_states):
+        opt.load_state_dict(state)
+    for sched, state in zip(schedulers or [], checkpoint.scheduler_states):
+        sched.load_state_dict(state)
+    logger.info(f"Loaded checkpoint {checkpoint.url} (global epoch {checkpoint.meta.get('global_epoch')})")
+    return checkpoint.meta

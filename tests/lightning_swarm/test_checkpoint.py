@@ -1,0 +1,242 @@
+"""SwarmCheckpoint with a plain Trainer: format round trip, keep-last-K, uploads (fsspec), resume,
+failing targets, and a save killed midway."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import fsspec
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from ckpt_tiny_module import RandomRegressionData, TinyRegressor
+from lightning_swarm.callbacks.checkpoint import SwarmCheckpoint
+from lightning_swarm.callbacks.checkpoint_io import (
+    flatten_state,
+    list_checkpoints,
+    load_checkpoint,
+    read_checkpoint,
+    read_latest_name,
+    save_checkpoint,
+    unflatten_state,
+)
+from lightning_swarm.callbacks.upload import CheckpointUploader
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def make_trainer(callback, max_steps):
+    return pl.Trainer(
+        max_steps=max_steps,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+    )
+
+
+def assert_same_state(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], torch.Tensor):
+            assert torch.equal(a[key], b[key]), key
+        elif isinstance(a[key], dict):
+            assert_same_state(a[key], b[key])
+        else:
+            assert a[key] == b[key], key
+
+
+def test_flatten_roundtrip_optimizer_and_scheduler_state():
+    module = TinyRegressor()
+    (opt,), (sched,) = module.configure_optimizers()
+    module(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    sched["scheduler"].step()
+    state = dict(opt=opt.state_dict(), sched=sched["scheduler"].state_dict(), odd=dict(inf=float("inf")))
+    tensors = {}
+    structure = json.loads(json.dumps(flatten_state(state, tensors)))  # must be plain JSON
+    restored = unflatten_state(structure, tensors)
+    assert set(restored["opt"]["state"]) == set(state["opt"]["state"])  # int keys survive
+    assert restored["opt"]["param_groups"][0]["betas"] == (0.9, 0.99)  # tuples survive
+    for idx, param_state in state["opt"]["state"].items():
+        for name, value in param_state.items():
+            assert torch.equal(restored["opt"]["state"][idx][name], value)
+    assert restored["sched"] == state["sched"]
+    assert restored["odd"]["inf"] == float("inf")
+
+    fresh = TinyRegressor()
+    (fresh_opt,), _ = fresh.configure_optimizers()
+    fresh_opt.load_state_dict(restored["opt"])  # loads into a real optimizer
+
+
+def test_callback_saves_keeps_last_uploads_and_loads_back(tmp_path):
+    remote = tmp_path / "remote"
+    callback = SwarmCheckpoint(
+        dirpath=str(tmp_path / "local"), every_n_epochs=2, keep_last=2, upload_to=str(remote),
+        upload_backoff_seconds=0.1,
+    )
+    module = TinyRegressor()
+    make_trainer(callback, max_steps=7).fit(module, RandomRegressionData())
+    assert callback.uploader.wait(30)
+
+    # saved at global steps 2, 4, 6 and at the end (7); only the newest two stay locally
+    assert list_checkpoints(str(tmp_path / "local")) == ["epoch_000006", "epoch_000007"]
+    assert read_latest_name(str(tmp_path / "local")) == "epoch_000007"
+    assert sorted(p.name for p in remote.iterdir()) == [
+        "epoch_000002", "epoch_000004", "epoch_000006", "epoch_000007", "latest"
+    ]
+    assert callback.uploader.errors == []
+
+    checkpoint = read_checkpoint(str(remote))  # follows remote/latest
+    assert checkpoint.meta["global_epoch"] == 7 and checkpoint.meta["local_step"] == 7
+    assert checkpoint.meta["samples_seen"] == 7 * 4
+    assert abs(checkpoint.meta["loss"] - float(module.trainer.callback_metrics["train/loss"])) < 1e-6
+    fresh = TinyRegressor()
+    assert not torch.equal(fresh.mid.weight, module.mid.weight)
+    checkpoint.load_into(fresh)
+    assert_same_state(fresh.state_dict(), module.state_dict())
+    assert fresh.head.weight is fresh.embed.weight  # tying survives loading
+    assert_same_state(checkpoint.optimizer_states[0]["state"], module.trainer.optimizers[0].state_dict()["state"])
+    assert checkpoint.scheduler_states[0]["last_epoch"] == 7
+
+
+def test_memory_target_and_resume(tmp_path):
+    url = "memory://ckpt-test/run"
+    callback = SwarmCheckpoint(dirpath=str(tmp_path / "a"), every_n_epochs=3, upload_to=url)
+    module = TinyRegressor()
+    make_trainer(callback, max_steps=3).fit(module, RandomRegressionData())
+    assert callback.uploader.wait(30) and callback.uploader.uploaded == [f"{url}/epoch_000003"]
+
+    # a recipe starts from the remote checkpoint: weights + optimizer + scheduler, epoch counts on
+    resumed = TinyRegressor()
+    seen_at_start = {}
+
+    class Spy(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen_at_start["weights"] = {k: v.clone() for k, v in pl_module.state_dict().items()}
+            seen_at_start["adam_step"] = trainer.optimizers[0].state_dict()["state"][0]["step"].item()
+            seen_at_start["lr"] = trainer.optimizers[0].param_groups[0]["lr"]
+
+    callback2 = SwarmCheckpoint(dirpath=str(tmp_path / "b"), every_n_epochs=2, resume_from=url)
+    trainer = make_trainer(callback2, max_steps=2)
+    trainer.callbacks.append(Spy())
+    trainer.fit(resumed, RandomRegressionData(seed=1))
+    assert_same_state(seen_at_start["weights"], module.state_dict())
+    assert seen_at_start["adam_step"] == 3.0
+    assert seen_at_start["lr"] == pytest.approx(1e-2 * 0.5)  # StepLR(step_size=3) state came along
+    assert read_checkpoint(str(tmp_path / "b")).meta["global_epoch"] == 3 + 2
+    assert load_checkpoint(str(tmp_path / "b"), TinyRegressor())["samples_seen"] == 3 * 4 + 2 * 4
+
+
+def test_failing_target_is_reported_retried_and_never_blocks(tmp_path):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where the target's parent directory should be")
+    target = blocker / "remote"  # every write under a regular file fails (NotADirectoryError)
+    callback = SwarmCheckpoint(
+        dirpath=str(tmp_path / "local"), every_n_epochs=2, upload_to=str(target),
+        upload_max_attempts=None, upload_backoff_seconds=0.2, final_upload_timeout=0.5,
+    )
+    module = TinyRegressor()
+    started = time.monotonic()
+    make_trainer(callback, max_steps=4).fit(module, RandomRegressionData())
+    assert time.monotonic() - started < 20  # training finished although no upload could succeed
+    uploader = callback.uploader
+    deadline = time.monotonic() + 10
+    while len(uploader.errors) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(uploader.errors) >= 3 and "NotADirectoryError" in uploader.last_error.error
+    assert uploader.uploaded == []
+    # the local checkpoint is intact while uploads fail
+    assert read_checkpoint(str(tmp_path / "local")).meta["global_epoch"] == 4
+
+    # the target comes back: the retry loop delivers the newest checkpoint
+    blocker.unlink()
+    deadline = time.monotonic() + 20
+    while not uploader.uploaded and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert uploader.uploaded and uploader.uploaded[-1].endswith("epoch_000004")
+    fresh = TinyRegressor()
+    load_checkpoint(str(target), fresh)
+    assert_same_state(fresh.state_dict(), module.state_dict())
+    uploader.close(timeout=5, force=True)
+
+
+def test_uploader_gives_up_after_max_attempts_and_keeps_local(tmp_path):
+    module = TinyRegressor()
+    path = save_checkpoint(str(tmp_path / "local"), module, global_epoch=1)
+    (tmp_path / "ro").write_text("not a directory")
+    uploader = CheckpointUploader(str(tmp_path / "ro" / "x"), max_attempts=2, backoff_seconds=0.05)
+    uploader.submit(path)
+    assert uploader.wait(10)
+    assert [e.attempt for e in uploader.errors] == [1, 2] and uploader.given_up == [path]
+    assert os.path.isdir(path) and read_checkpoint(path).meta["global_epoch"] == 1
+    uploader.close()
+
+
+KILL_MIDWAY_SCRIPT = r"""
+import sys, time, torch
+from ckpt_tiny_module import TinyRegressor
+from lightning_swarm.callbacks import checkpoint_io
+
+root = sys.argv[1]
+torch.manual_seed(0)
+module = TinyRegressor()
+checkpoint_io.save_checkpoint(root, module, global_epoch=1, loss=1.0)
+with torch.no_grad():
+    for p in module.parameters():
+        p.add_(1.0)
+real_save = checkpoint_io._save_tensors
+
+def save_half_then_hang(tensors, path):
+    real_save(tensors, path)
+    with open(path, "r+b") as f:
+        f.truncate(max(1, len(f.read()) // 2))  # half the file is on disk...
+    print("HALF", flush=True)
+    time.sleep(600)  # ...when the process gets killed
+
+checkpoint_io._save_tensors = save_half_then_hang
+checkpoint_io.save_checkpoint(root, module, global_epoch=2, loss=2.0)
+"""
+
+
+def test_save_killed_midway_leaves_previous_checkpoint(tmp_path):
+    root = str(tmp_path / "ckpt")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILL_MIDWAY_SCRIPT, root], stdout=subprocess.PIPE, env=env, text=True
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "HALF"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert any(name.startswith(".tmp-") for name in os.listdir(root))  # the half-written save is there
+    checkpoint = read_checkpoint(root)
+    assert checkpoint.meta["global_epoch"] == 1 and checkpoint.meta["loss"] == 1.0
+    torch.manual_seed(0)
+    expected = TinyRegressor()  # same seed as the first save in the subprocess
+    loaded = TinyRegressor()
+    checkpoint.load_into(loaded)
+    assert_same_state(loaded.state_dict(), expected.state_dict())
+    # the next save cleans up the leftovers
+    save_checkpoint(root, loaded, global_epoch=3, keep_last=2)
+    assert not any(name.startswith(".tmp-") for name in os.listdir(root))
+    assert list_checkpoints(root) == ["epoch_000001", "epoch_000003"]
+
+
+def test_bad_arguments_raise_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="every_n_epochs and/or every_n_minutes"):
+        SwarmCheckpoint(every_n_epochs=None, every_n_minutes=None)
+    with pytest.raises(FileNotFoundError, match="No checkpoint at"):
+        read_checkpoint(str(tmp_path))
