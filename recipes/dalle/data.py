@@ -156,8 +156,9 @@ class CaptionCodeStream(IterableDataset):
                     yield self._collate(captions, codes)
                 return
             if kept == 0:
-                raise ValueError(f"a whole pass over the data yielded no usable row (skipped: {skipped}); "
-                                 "check image_grid_size, codebook_size and the caption/code columns")
+                raise ValueError(f"a whole pass over the training data yielded no usable row (skipped: {skipped}); "
+                                 "check image_grid_size, codebook_size, the caption/code columns, and that "
+                                 "the data has more rows than num_val_rows (taken for validation)")
             epoch += 1
 
 
