@@ -1,0 +1,5 @@
+import sys
+
+from lightning_swarm.memory.cli import main
+
+sys.exit(main())
