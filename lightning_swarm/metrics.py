@@ -11,7 +11,7 @@ Both the publishing and the reading DHT must carry the validators: create the DH
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Union
 
 import hivemind
 from hivemind.utils import get_dht_time
@@ -19,6 +19,7 @@ import pydantic.v1 as pydantic  # hivemind's SchemaValidator works with pydantic
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import RecordValidatorBase
+from hivemind.utils.mpfuture import MPFuture
 
 # how long a published record stays in the DHT if the peer stops refreshing it (e.g. because it died)
 DEFAULT_METRICS_EXPIRATION = 60.0
@@ -73,7 +74,7 @@ def publish_metrics(
     metrics: LocalMetrics,
     expiration: float = DEFAULT_METRICS_EXPIRATION,
     wait: bool = True,
-) -> Optional[bool]:
+) -> Union[bool, MPFuture]:
     """Store this peer's ``metrics`` under the run, signed with this process's key.
 
     Args:
@@ -81,7 +82,8 @@ def publish_metrics(
         run_id: the training run's id (the strategy's ``run_id``).
         metrics: the record to publish.
         expiration: seconds until the record expires unless it is published again.
-        wait: if False, store in the background and return None (don't block the training loop).
+        wait: if False, store in the background and return the future (don't block the training loop). Keep a
+            reference to it until it is done: a future dropped early breaks its pipe to the DHT process.
     """
     future = dht.store(
         key=metrics_key(run_id),
@@ -90,7 +92,7 @@ def publish_metrics(
         expiration_time=get_dht_time() + expiration,
         return_future=True,
     )
-    return future.result() if wait else None
+    return future.result() if wait else future
 
 
 def fetch_metrics(dht: hivemind.DHT, run_id: str, latest: bool = True) -> Dict[bytes, LocalMetrics]:

@@ -1,0 +1,467 @@
+"""HivemindStrategy: train any LightningModule as one peer of a collaborative run over the Internet.
+
+Every peer runs its own Trainer. The module's optimizer is wrapped in a ``hivemind.Optimizer``: each local step
+adds this peer's gradients (weighted by its real batch size) to a running sum; once the whole swarm has
+accumulated ``target_batch_size`` samples, peers average their gradients, take one optimizer step together
+(a "global epoch") and average parameters and optimizer state. LR schedules advance once per global epoch.
+
+Usage::
+
+    trainer = Trainer(strategy=HivemindStrategy(run_id="my_run", target_batch_size=4096))   # first peer
+    # it prints the option other peers add to join, e.g. initial_peers=["/ip4/1.2.3.4/tcp/31337/p2p/Qm..."]
+
+The same through LightningCLI YAML::
+
+    trainer:
+      strategy:
+        class_path: lightning_swarm.HivemindStrategy
+        init_args: {run_id: my_run, target_batch_size: 4096}
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import re
+import time
+from typing import Any, Callable, Dict, List, Optional, Union
+
+import hivemind
+import torch
+from hivemind.compression import CompressionBase, Float16Compression, NoCompression
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_swarm import metrics as swarm_metrics
+from lightning_swarm.grad_averager import SampleWeightedGradientAverager
+from lightning_swarm.peers import (
+    INITIAL_PEERS_ENV,
+    check_listen_maddrs,
+    join_message,
+    reachable_maddrs,
+    resolve_initial_peers,
+)
+from lightning_swarm.scheduler import GlobalEpochScheduler, rebind_scheduler
+
+log = logging.getLogger(__name__)
+
+COMPRESSION_CHOICES = ("adaptive", "fp16", "none")
+
+
+def resolve_compression(compression: Union[str, CompressionBase]) -> CompressionBase:
+    """'adaptive' (8-bit for large tensors, fp16 otherwise), 'fp16', 'none', or a hivemind CompressionBase."""
+    if isinstance(compression, CompressionBase):
+        return compression
+    if compression == "none":
+        return NoCompression()
+    if compression == "fp16":
+        return Float16Compression()
+    if compression == "adaptive":
+        try:
+            from lightning_swarm.compression import default_compression
+        except ImportError:  # pragma: no cover - only while the compression module is missing
+            rank_zero_warn("lightning_swarm.compression is unavailable; falling back to fp16 compression")
+            return Float16Compression()
+        return default_compression()
+    raise ValueError(f"compression must be one of {COMPRESSION_CHOICES} or a hivemind CompressionBase, got {compression!r}")
+
+
+def _optimizer_factory(optimizer: torch.optim.Optimizer) -> Callable[[Any], torch.optim.Optimizer]:
+    """Re-create the user's optimizer (same class and hyper-parameters) on the param groups hivemind gives it."""
+    optimizer_class = type(optimizer)
+    accepted = inspect.signature(optimizer_class.__init__).parameters
+    takes_any_kwarg = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    defaults = {k: v for k, v in optimizer.defaults.items() if takes_any_kwarg or k in accepted}
+    return lambda param_groups: optimizer_class(param_groups, **defaults)
+
+
+class HivemindStrategy(SingleDeviceStrategy):
+    """A Lightning strategy that makes this process one peer of a hivemind training swarm.
+
+    Args:
+        run_id: name of the training run; all peers of a run use the same one (prefix of all DHT keys).
+        target_batch_size: samples the whole swarm accumulates before one global optimizer step (a global epoch).
+        initial_peers: multiaddrs of running peers to join, each ending in ``/p2p/<peer id>``. A list, a JSON
+            list string, or a comma/space separated string. If not given, read from the environment variable
+            ``LIGHTNING_SWARM_INITIAL_PEERS``; if that is empty too, this peer starts a new swarm.
+        host_maddrs: addresses to listen on (default: all IPv4 interfaces, random TCP port,
+            ``["/ip4/0.0.0.0/tcp/0"]``); use ``/ip4/0.0.0.0/tcp/31337`` for a fixed port.
+        announce_maddrs: public addresses to tell other peers about (e.g. behind port forwarding).
+        identity_path: file with this peer's private key, so its peer id (and thus the join address) stays the
+            same across restarts; created if missing. Useful for a bootstrap peer.
+        client_mode: this peer can't accept incoming connections (behind NAT/firewall): it only connects out.
+            Such peers contribute gradients but don't serve state to others.
+        use_relay: allow connecting to peers through libp2p relays.
+        use_auto_relay: look for relays automatically and be reachable through them (peers behind NAT).
+        matchmaking_time: seconds to wait for peers when forming an averaging group.
+        averaging_timeout: seconds after which an averaging round is abandoned (the peer then uses its local
+            gradients); dead peers are dropped within this time. Must be larger than matchmaking_time.
+        allreduce_timeout: seconds to wait for the all-reduce itself (default: averaging_timeout).
+        load_state_timeout: seconds to wait for a peer to send the current state to a joining peer.
+        delay_optimizer_step: run the optimizer step in the background, applied at a later local step
+            (needs offload_optimizer).
+        delay_grad_averaging: average gradients in the background (needs delay_optimizer_step).
+        delay_state_averaging: average parameters/optimizer state in the background.
+        offload_optimizer: keep the optimizer (and a copy of the parameters) on the CPU. Default: hivemind's
+            default (True).
+        reuse_grad_buffers: accumulate gradients in the parameters' ``.grad`` (saves memory; Lightning's
+            ``zero_grad`` is disabled while training).
+        average_state_every: average parameters/optimizer state every this many global epochs.
+        compression: codec for gradients and state on the wire: ``"adaptive"`` (8-bit for big tensors, fp16
+            otherwise), ``"fp16"``, ``"none"``, or a hivemind ``CompressionBase``.
+        averager_opts: extra keyword arguments for hivemind's averagers (e.g. ``{"request_timeout": 1.0}``).
+        tracker_opts: extra keyword arguments for hivemind's ProgressTracker (e.g. ``{"max_refresh_period": 2}``).
+        publish_metrics: publish this peer's metrics to the DHT (for a monitoring peer), see
+            :mod:`lightning_swarm.metrics`.
+        metrics_interval: seconds between two metric publications.
+        log_progress: add a :class:`~lightning_swarm.callbacks.progress.SwarmProgress` callback that shows the
+            global epoch, number of peers and throughput in the progress bar and loggers.
+        device: torch device for the model (default: the accelerator's device, e.g. ``cuda:0`` or ``cpu``).
+        verbose: log hivemind's internal events (matchmaking, averaging) at INFO level.
+
+    The batch size of every local step is taken from the batch (first dimension, Lightning's
+    ``extract_batch_size``); a LightningModule can override it by defining ``swarm_batch_size(batch) -> int``.
+    """
+
+    strategy_name = "hivemind"
+
+    def __init__(
+        self,
+        run_id: str,
+        target_batch_size: int,
+        initial_peers: Union[None, str, List[str]] = None,
+        host_maddrs: Optional[List[str]] = None,
+        announce_maddrs: Optional[List[str]] = None,
+        identity_path: Optional[str] = None,
+        client_mode: bool = False,
+        use_relay: bool = True,
+        use_auto_relay: bool = False,
+        matchmaking_time: float = 5.0,
+        averaging_timeout: float = 60.0,
+        allreduce_timeout: Optional[float] = None,
+        load_state_timeout: float = 600.0,
+        delay_optimizer_step: Optional[bool] = None,
+        delay_grad_averaging: bool = False,
+        delay_state_averaging: bool = True,
+        offload_optimizer: Optional[bool] = None,
+        reuse_grad_buffers: bool = False,
+        average_state_every: int = 1,
+        compression: Union[str, CompressionBase] = "adaptive",
+        averager_opts: Optional[Dict[str, Any]] = None,
+        tracker_opts: Optional[Dict[str, Any]] = None,
+        publish_metrics: bool = True,
+        metrics_interval: float = 10.0,
+        log_progress: bool = True,
+        device: Optional[str] = None,
+        verbose: bool = False,
+    ):
+        super().__init__(device=device or "cpu")
+        self._device_given = device is not None
+        if not isinstance(run_id, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]+", run_id):
+            raise ValueError(f"run_id must be a non-empty name of letters, digits, '_', '.', '-', got {run_id!r}")
+        if isinstance(target_batch_size, bool) or not isinstance(target_batch_size, int) or target_batch_size <= 0:
+            raise ValueError(f"target_batch_size must be a positive integer, got {target_batch_size!r}")
+        for name, value in dict(matchmaking_time=matchmaking_time, averaging_timeout=averaging_timeout,
+                                load_state_timeout=load_state_timeout, metrics_interval=metrics_interval).items():
+            if value is None or value <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if allreduce_timeout is not None and allreduce_timeout <= 0:
+            raise ValueError(f"allreduce_timeout must be a positive number of seconds, got {allreduce_timeout!r}")
+        if averaging_timeout <= matchmaking_time:
+            raise ValueError(
+                f"averaging_timeout ({averaging_timeout}) must be larger than matchmaking_time ({matchmaking_time}): "
+                "an averaging round needs time to find a group and then to exchange tensors"
+            )
+        if delay_grad_averaging and delay_optimizer_step is False:
+            raise ValueError("delay_grad_averaging=True requires delay_optimizer_step=True (or leave it unset)")
+        if (delay_optimizer_step or delay_grad_averaging) and offload_optimizer is False:
+            raise ValueError("delay_optimizer_step/delay_grad_averaging need offload_optimizer=True (or leave it unset)")
+        if reuse_grad_buffers and delay_grad_averaging:
+            raise ValueError(
+                "reuse_grad_buffers=True can't be combined with delay_grad_averaging=True: the next backward pass "
+                "would write into the gradient buffers while they are being averaged"
+            )
+        if client_mode and announce_maddrs:
+            raise ValueError("client_mode=True peers accept no incoming connections, so announce_maddrs makes no sense")
+        if use_auto_relay and not use_relay:
+            raise ValueError("use_auto_relay=True requires use_relay=True")
+        if isinstance(average_state_every, bool) or not isinstance(average_state_every, int) or average_state_every < 1:
+            raise ValueError(f"average_state_every must be an integer >= 1, got {average_state_every!r}")
+        if isinstance(compression, str) and compression not in COMPRESSION_CHOICES:
+            raise ValueError(f"compression must be one of {COMPRESSION_CHOICES}, got {compression!r}")
+
+        self.run_id = run_id
+        self.target_batch_size = target_batch_size
+        self.initial_peers = resolve_initial_peers(initial_peers)
+        self.host_maddrs = check_listen_maddrs(host_maddrs, "host_maddrs") or ["/ip4/0.0.0.0/tcp/0"]
+        self.announce_maddrs = check_listen_maddrs(announce_maddrs, "announce_maddrs")
+        self.identity_path = identity_path
+        self.client_mode = client_mode
+        self.use_relay, self.use_auto_relay = use_relay, use_auto_relay
+        self.compression = compression
+        self.reuse_grad_buffers = reuse_grad_buffers
+        self.publish_metrics, self.metrics_interval = publish_metrics, metrics_interval
+        self.log_progress = log_progress
+        self._hivemind_kwargs = dict(
+            matchmaking_time=matchmaking_time,
+            averaging_timeout=averaging_timeout,
+            allreduce_timeout=allreduce_timeout,
+            load_state_timeout=load_state_timeout,
+            delay_optimizer_step=delay_optimizer_step,
+            delay_grad_averaging=delay_grad_averaging,
+            delay_state_averaging=delay_state_averaging,
+            offload_optimizer=offload_optimizer,
+            reuse_grad_buffers=reuse_grad_buffers,
+            average_state_every=average_state_every,
+            # hivemind warns (and may deadlock) if request_timeout >= matchmaking_time
+            averager_opts=dict(dict(request_timeout=min(3.0, matchmaking_time / 2)), **(averager_opts or {})),
+            tracker_opts=tracker_opts,
+            verbose=verbose,
+        )
+
+        self._dht: Optional[hivemind.DHT] = None
+        self._optimizer: Optional[hivemind.Optimizer] = None
+        self._original_zero_grad: Optional[Callable] = None
+        self._current_batch_size: Optional[int] = None
+        self._pending_publications: List[Any] = []  # futures of background DHT stores, kept alive until done
+        self.stats = SwarmStats()
+
+    # ----------------------------------------------------------------------------------------------- public API
+    @property
+    def dht(self) -> Optional[hivemind.DHT]:
+        """This peer's DHT node (None before `fit` starts)."""
+        return self._dht
+
+    @property
+    def optimizer(self) -> Optional[hivemind.Optimizer]:
+        """The hivemind.Optimizer wrapping the module's optimizer (None before `fit` sets up)."""
+        return self._optimizer
+
+    @property
+    def global_epoch(self) -> int:
+        """Number of global optimizer steps this peer has reached (kept in sync with the swarm)."""
+        return self._optimizer.local_epoch if self._optimizer is not None else 0
+
+    @property
+    def num_peers(self) -> int:
+        """Peers currently training in this run, this one included (as last seen in the DHT)."""
+        if self._optimizer is None:
+            return 1
+        return max(1, self._optimizer.tracker.global_progress.num_peers)
+
+    def load_state_from_peers(self) -> None:
+        """Download the current parameters, optimizer state, epoch and LR schedule from other peers."""
+        if self._optimizer is None:
+            raise RuntimeError("load_state_from_peers() needs a running optimizer: call it during fit")
+        self._optimizer.load_state_from_peers()
+
+    def start_dht(self) -> hivemind.DHT:
+        """Start this peer's DHT (idempotent) and print how other peers can join."""
+        if self._dht is None:
+            dht_kwargs = dict(
+                host_maddrs=self.host_maddrs,
+                client_mode=self.client_mode,
+                use_relay=self.use_relay,
+                use_auto_relay=self.use_auto_relay,
+                identity_path=self.identity_path,
+            )
+            if self.announce_maddrs:
+                dht_kwargs["announce_maddrs"] = self.announce_maddrs
+            validators = swarm_metrics.make_validators(self.run_id) if self.publish_metrics else []
+            self._dht = hivemind.DHT(
+                initial_peers=self.initial_peers or None, start=True, record_validators=validators, **dht_kwargs
+            )
+            if not self.client_mode:
+                message = join_message(self.run_id, reachable_maddrs(self._dht.get_visible_maddrs()))
+                log.info(message)
+                print(message, flush=True)  # visible whatever the logging configuration
+            elif not self.initial_peers:
+                rank_zero_warn(f"client_mode=True with no initial_peers (nor ${INITIAL_PEERS_ENV}): nobody to join")
+        return self._dht
+
+    # ---------------------------------------------------------------------------------------------- Lightning
+    @property
+    def root_device(self) -> torch.device:
+        if not self._device_given and self.accelerator is not None:
+            from lightning.pytorch.accelerators import CUDAAccelerator
+
+            if isinstance(self.accelerator, CUDAAccelerator):
+                return torch.device("cuda", torch.cuda.current_device())
+        return self._root_device
+
+    def setup(self, trainer: Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                "HivemindStrategy accumulates gradients up to target_batch_size itself: "
+                f"remove accumulate_grad_batches={trainer.accumulate_grad_batches} from the Trainer"
+            )
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError("HivemindStrategy does not support fp16 loss scaling: use precision='bf16-mixed' or 32")
+        if len(self.optimizers) != 1:
+            raise ValueError(f"HivemindStrategy needs exactly one optimizer, configure_optimizers gave {len(self.optimizers)}")
+        self.start_dht()
+        self._wrap_optimizer(self.optimizers[0])
+        if self.reuse_grad_buffers:  # hivemind accumulates in .grad: Lightning must not zero it
+            module = self.lightning_module
+            self._original_zero_grad = module.optimizer_zero_grad
+            module.optimizer_zero_grad = lambda *args, **kwargs: None
+        if self.log_progress:
+            from lightning_swarm.callbacks.progress import SwarmProgress
+
+            if not any(isinstance(callback, SwarmProgress) for callback in trainer.callbacks):
+                trainer.callbacks.append(SwarmProgress())
+
+    def _wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        schedulers = [config.scheduler for config in self.lr_scheduler_configs]
+        if len(schedulers) > 1:
+            raise ValueError(f"HivemindStrategy supports at most one LR scheduler, got {len(schedulers)}")
+        user_scheduler = schedulers[0] if schedulers else None
+        if user_scheduler is not None and user_scheduler.optimizer is not optimizer:
+            raise ValueError("The LR scheduler must be built on the optimizer returned by configure_optimizers")
+        scheduler_factory = (lambda new_optimizer: rebind_scheduler(user_scheduler, new_optimizer)) if user_scheduler else None
+        if user_scheduler is not None:
+            rebind_scheduler(user_scheduler, optimizer)  # fail early (e.g. ReduceLROnPlateau) with a clear message
+
+        compression = resolve_compression(self.compression)
+        self._optimizer = hivemind.Optimizer(
+            dht=self._dht,
+            run_id=self.run_id,
+            target_batch_size=self.target_batch_size,
+            optimizer=_optimizer_factory(optimizer),
+            params=optimizer.param_groups,
+            scheduler=scheduler_factory,
+            use_local_updates=False,
+            grad_averager_factory=SampleWeightedGradientAverager,
+            client_mode=None,  # derived from the DHT, which knows whether we are in client mode
+            grad_compression=compression,
+            state_averaging_compression=compression,
+            load_state_compression=compression,
+            **self._hivemind_kwargs,
+        )
+        self.optimizers = [self._optimizer]
+        if user_scheduler is not None:
+            self.lr_scheduler_configs[0].scheduler = GlobalEpochScheduler(
+                self._optimizer.state_averager.scheduler, self._optimizer
+            )
+
+    def on_train_start(self) -> None:
+        """Join the swarm where it is: a late joiner (or a peer resumed from an old checkpoint) downloads the
+        current state; otherwise announce our (possibly restored) epoch."""
+        super().on_train_start()
+        optimizer = self._optimizer
+        if optimizer is None:
+            return
+        behind = optimizer.tracker.global_epoch > optimizer.local_epoch
+        fresh_joiner = bool(self.initial_peers) and optimizer.local_epoch == 0
+        if behind or fresh_joiner:
+            # a fresh joiner also takes the swarm's initial parameters, so all peers start from the same point
+            log.warning(
+                f"[lightning_swarm] swarm is at global epoch {optimizer.tracker.global_epoch}, this peer at "
+                f"{optimizer.local_epoch}: loading state from peers"
+            )
+            optimizer.load_state_from_peers()
+        else:
+            with optimizer.tracker.pause_updates():
+                optimizer.tracker.update_epoch(optimizer.local_epoch)
+        self.stats.start(self.global_epoch)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        module = self.lightning_module
+        if callable(getattr(module, "swarm_batch_size", None)):
+            self._current_batch_size = int(module.swarm_batch_size(batch))
+        else:
+            self._current_batch_size = extract_batch_size(batch)
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self._optimizer is not None:
+            if self._current_batch_size is None:
+                raise ValueError("HivemindStrategy could not tell the batch size: define swarm_batch_size(batch)")
+            kwargs.setdefault("batch_size", self._current_batch_size)
+        loss = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._optimizer is not None:
+            self.stats.record_step(kwargs["batch_size"], loss, self.global_epoch, self.target_batch_size)
+            if self.publish_metrics and self.stats.due(self.metrics_interval):
+                self._publish_metrics()
+        return loss
+
+    def _publish_metrics(self) -> None:
+        record = self.stats.make_record(self.global_epoch, self._optimizer.tracker.performance_ema.samples_per_second)
+        try:
+            self._pending_publications = [f for f in self._pending_publications if not f.done()]
+            self._pending_publications.append(swarm_metrics.publish_metrics(self._dht, self.run_id, record, wait=False))
+        except Exception as e:  # a failed publication must not stop training
+            log.warning(f"[lightning_swarm] could not publish metrics: {e!r}")
+
+    @property
+    def local_samples_per_second(self) -> float:
+        return self._optimizer.tracker.performance_ema.samples_per_second if self._optimizer is not None else 0.0
+
+    def teardown(self) -> None:
+        if self._original_zero_grad is not None and self.lightning_module is not None:
+            self.lightning_module.optimizer_zero_grad = self._original_zero_grad
+            self._original_zero_grad = None
+        for future in self._pending_publications:
+            try:
+                future.result(timeout=5)
+            except Exception:
+                pass
+        self._pending_publications = []
+        if self._optimizer is not None:
+            self._optimizer.shutdown()
+            self._optimizer = None
+        if self._dht is not None:
+            self._dht.shutdown()
+            self._dht = None
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        pass  # needs run_id and target_batch_size: not constructible from a bare name like "hivemind"
+
+
+class SwarmStats:
+    """Counts what this peer contributes and measures the swarm's throughput from global epoch transitions."""
+
+    def __init__(self) -> None:
+        self.samples_contributed = 0
+        self.swarm_samples_per_second = 0.0
+        self._loss_sum, self._mini_steps = 0.0, 0
+        self._epoch, self._epoch_start = 0, time.perf_counter()
+        self._last_publish = -float("inf")
+
+    def start(self, epoch: int) -> None:
+        self._epoch, self._epoch_start = epoch, time.perf_counter()
+
+    def record_step(self, batch_size: int, loss: Any, epoch: int, target_batch_size: int) -> None:
+        self.samples_contributed += int(batch_size)
+        if loss is not None:
+            self._loss_sum += float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+            self._mini_steps += 1
+        if epoch > self._epoch:
+            # the swarm processed about target_batch_size samples per global epoch since the last transition
+            now = time.perf_counter()
+            self.swarm_samples_per_second = (epoch - self._epoch) * target_batch_size / max(now - self._epoch_start, 1e-6)
+            self._epoch, self._epoch_start = epoch, now
+
+    def due(self, interval: float) -> bool:
+        return time.perf_counter() - self._last_publish >= interval
+
+    def make_record(self, epoch: int, samples_per_second: float) -> swarm_metrics.LocalMetrics:
+        record = swarm_metrics.LocalMetrics(
+            step=int(epoch),
+            loss=float(self._loss_sum / max(self._mini_steps, 1)),
+            samples_per_second=float(max(samples_per_second, 0.0)),
+            samples_accumulated=int(self.samples_contributed),
+            mini_steps=int(self._mini_steps),
+            time=float(hivemind.utils.get_dht_time()),
+        )
+        self._loss_sum, self._mini_steps = 0.0, 0
+        self._last_publish = time.perf_counter()
+        return record

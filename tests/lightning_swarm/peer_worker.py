@@ -1,0 +1,138 @@
+"""One swarm peer for the multi-peer tests and the benchmark: a tiny regression model trained through LightningCLI.
+
+Run: python tests/lightning_swarm/peer_worker.py fit --config peer.yaml [--trainer.strategy.init_args.... ]
+The SwarmRecorder callback writes into `out_dir`: `params_<epoch>.safetensors` (this peer's parameters when it
+reached each global epoch) and `events.jsonl` (epoch, lr, peers, local step, samples/s...).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import lightning.pytorch as pl
+from lightning.pytorch.cli import LightningCLI
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def make_regression_data(num_samples: int, in_dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic synthetic regression data: y = x @ w + noise."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_samples, in_dim, generator=generator)
+    w = torch.randn(in_dim, 1, generator=torch.Generator().manual_seed(1234))
+    y = x @ w + 0.1 * torch.randn(num_samples, 1, generator=generator)
+    return x, y
+
+
+class TinyRegression(pl.LightningModule):
+    """An MLP regressor with SGD and a per-epoch exponential LR decay (a schedule that must follow global epochs).
+
+    share_samples: if > 0, only the first `share_samples` samples count towards the swarm (later steps report
+        batch size 0), so tests can control exactly what each peer contributes.
+    step_delay: seconds to sleep in each training step (to emulate a slower peer).
+    """
+
+    def __init__(self, in_dim: int = 8, hidden: int = 32, lr: float = 0.1, lr_decay: float = 0.5,
+                 momentum: float = 0.0, seed: int = 0, share_samples: int = 0, step_delay: float = 0.0):
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(seed)
+        self.net = torch.nn.Sequential(torch.nn.Linear(in_dim, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
+        self.samples_seen = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.hparams.step_delay:
+            time.sleep(self.hparams.step_delay)
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def swarm_batch_size(self, batch: Any) -> int:
+        size = len(batch[0])
+        share = self.hparams.share_samples
+        if share:
+            size = max(0, min(size, share - self.samples_seen))
+        self.samples_seen += len(batch[0])
+        return size
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
+        decay = self.hparams.lr_decay
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: decay**epoch)
+        # interval "step": without the strategy, Lightning would decay the LR every local step
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class RegressionData(pl.LightningDataModule):
+    """Samples [offset, offset + num_samples) of the deterministic regression data, in order."""
+
+    def __init__(self, batch_size: int = 4, num_samples: int = 100_000, offset: int = 0, in_dim: int = 8,
+                 seed: int = 0):
+        super().__init__()
+        self.save_hyperparameters()
+
+    def train_dataloader(self) -> DataLoader:
+        h = self.hparams
+        x, y = make_regression_data(h.offset + h.num_samples, h.in_dim, h.seed)
+        dataset = TensorDataset(x[h.offset:], y[h.offset:])
+        return DataLoader(dataset, batch_size=h.batch_size, shuffle=False)
+
+
+class SwarmRecorder(pl.Callback):
+    """Record parameters and swarm state at every global epoch; stop at `stop_at_epoch` (or after `max_seconds`).
+
+    wait_for_peers: before the first step, wait (up to 60 s) until this many peers are visible in the swarm.
+    """
+
+    def __init__(self, out_dir: str, stop_at_epoch: int = 3, max_seconds: float = 120.0, wait_for_peers: int = 1):
+        self.out_dir = Path(out_dir)
+        self.stop_at_epoch, self.max_seconds, self.wait_for_peers = stop_at_epoch, max_seconds, wait_for_peers
+        self._last_epoch: Optional[int] = None
+        self._start = time.perf_counter()
+
+    def _write_event(self, **event: Any) -> None:
+        with open(self.out_dir / "events.jsonl", "a") as f:
+            f.write(json.dumps(event) + "\n")
+
+    def _record(self, trainer: pl.Trainer, pl_module: pl.LightningModule, kind: str) -> None:
+        strategy = trainer.strategy
+        epoch = strategy.global_epoch
+        if epoch != self._last_epoch:
+            self._last_epoch = epoch
+            params = {k: v.detach().cpu().contiguous() for k, v in pl_module.state_dict().items()}
+            save_file(params, str(self.out_dir / f"params_{epoch}.safetensors"))
+            self._write_event(
+                kind=kind, epoch=epoch, lr=strategy.optimizer.param_groups[0]["lr"], peers=strategy.num_peers,
+                local_step=trainer.global_step, samples=strategy.stats.samples_contributed,
+                local_sps=strategy.local_samples_per_second, swarm_sps=strategy.stats.swarm_samples_per_second,
+                time=time.time(), pid=os.getpid(),
+            )
+        if epoch >= self.stop_at_epoch or time.perf_counter() - self._start > self.max_seconds:
+            trainer.should_stop = True
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        deadline = time.perf_counter() + 60
+        while trainer.strategy.num_peers < self.wait_for_peers and time.perf_counter() < deadline:
+            time.sleep(0.2)
+        self._start = time.perf_counter()
+        self._record(trainer, pl_module, "start")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._record(trainer, pl_module, "step")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._write_event(kind="end", epoch=trainer.strategy.global_epoch, local_step=trainer.global_step,
+                          elapsed=time.perf_counter() - self._start, samples=trainer.strategy.stats.samples_contributed,
+                          time=time.time(), pid=os.getpid())
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(int(os.environ.get("PEER_TORCH_THREADS", "1")))
+    LightningCLI(TinyRegression, RegressionData, save_config_callback=None, seed_everything_default=0)
