@@ -104,7 +104,8 @@ class ModelShape:
     """The shape of a decoder/encoder transformer stack, enough to estimate its activations.
 
     This is also the protocol a LightningModule (or any of its submodules) follows to describe itself to
-    the calculator: a ``memory_profile()`` method returning a dict with these keys (or a ModelShape).
+    the calculator: a ``memory_profile()`` method returning a dict with these keys (or a ModelShape);
+    ``dim_head`` (per-head width) may stand for ``attn_dim`` and ``ff_mult`` (x dim) for ``ff_dim``.
 
     Args:
         dim: model width h (residual stream size).
@@ -155,10 +156,21 @@ class ModelShape:
         """Build from what a module's ``memory_profile()`` returned; unknown keys are an error."""
         if isinstance(profile, ModelShape):
             return profile
+        profile = dict(profile)
+        # conveniences: per-head width and feed-forward multiplier instead of total widths
+        if "dim_head" in profile:
+            profile.setdefault("attn_dim", int(profile["heads"]) * int(profile.pop("dim_head")))
+        if "ff_mult" in profile:
+            profile.setdefault("ff_dim", int(round(int(profile["dim"]) * float(profile.pop("ff_mult")))))
         known = set(cls.__dataclass_fields__)
         unknown = set(profile) - known
         if unknown:
-            raise ValueError(f"memory_profile() returned unknown keys {sorted(unknown)}; known keys: {sorted(known)}")
+            raise ValueError(
+                f"memory_profile() returned unknown keys {sorted(unknown)}; known keys: {sorted(known | {'dim_head', 'ff_mult'})}"
+            )
+        for flag in ("glu", "dropout", "reversible", "checkpointing"):
+            if flag in profile:
+                profile[flag] = bool(profile[flag])
         return cls(**profile)
 
     def logits_elements(self) -> int:
