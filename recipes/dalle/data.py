@@ -180,8 +180,8 @@ class DALLEDataModule(LightningDataModule):
         val_split: split of `dataset_name` to validate on; if None, the first `num_val_rows` rows of
             `train_split` (unshuffled), which training then skips.
         num_val_rows: validation rows taken from the training stream when no validation source is given.
-        data_dir: where the embedded shapes dataset is written when no source is given
-            (default ~/.cache/lightning_swarm/shapes-v1).
+        data_dir: where the embedded shapes dataset is written when no source is given, in a subfolder
+            per row count (default ~/.cache/lightning_swarm/shapes-v1).
         num_shapes_train: training rows of the embedded shapes dataset.
         num_shapes_val: validation rows of the embedded shapes dataset.
         text_seq_len: text ids per caption (CLIP BPE, 0-padded, cut captions end with end-of-text).
@@ -264,7 +264,9 @@ class DALLEDataModule(LightningDataModule):
 
     @property
     def shapes_dir(self) -> Path:
-        return Path(self.hparams.data_dir or SHAPES_CACHE_DIR).expanduser()
+        """Folder of the embedded shapes shards; one per row count, so peers sharing a cache never clash."""
+        root = Path(self.hparams.data_dir or SHAPES_CACHE_DIR).expanduser()
+        return root / f"rows-{self.hparams.num_shapes_train}-{self.hparams.num_shapes_val}"
 
     def prepare_data(self) -> None:
         """Write the embedded shapes dataset on first use (only when no data source is configured)."""
@@ -275,12 +277,11 @@ class DALLEDataModule(LightningDataModule):
         if self.hparams.image_grid_size != GRID_SIZE or self.hparams.codebook_size < len(PALETTE):
             raise ValueError(f"the embedded shapes data needs image_grid_size={GRID_SIZE} and "
                              f"codebook_size>={len(PALETTE)}; set them or give train_files/dataset_name")
-        done = self.shapes_dir / f"DONE-{self.hparams.num_shapes_train}-{self.hparams.num_shapes_val}"
+        done = self.shapes_dir / "DONE"
         if done.exists():
             return
         log.warning(f"writing the embedded shapes dataset to {self.shapes_dir}")
-        for old in self.shapes_dir.glob("*.parquet"):
-            old.unlink()
+        # shards are written atomically and deterministically, so two peers doing this at once is harmless
         write_shapes_dataset(self.shapes_dir, self.hparams.num_shapes_train, self.hparams.num_shapes_val)
         done.touch()
 

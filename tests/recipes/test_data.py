@@ -164,7 +164,7 @@ def test_embedded_shapes_dataset_when_no_source(tmp_path):
     datamodule = DALLEDataModule(data_dir=str(tmp_path / "shapes"), num_shapes_train=64, num_shapes_val=16,
                                  batch_size=16, seed=0, cycle=False, max_val_batches=1)
     datamodule.prepare_data()
-    assert (tmp_path / "shapes" / "train-00000-of-00001.parquet").exists()
+    assert (tmp_path / "shapes" / "rows-64-16" / "train-00000-of-00001.parquet").exists()
     datamodule.setup("fit")
     batch = next(iter(datamodule.train_dataloader()))
     assert batch["text"].shape == (16, 32) and batch["image"].shape == (16, 256)
@@ -188,3 +188,51 @@ def test_bad_configs_raise_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="no usable row"):
         next(iter(wrong_grid.train_dataloader()))
     assert wrong_grid.skipped["code_length"] == 18
+
+
+def test_configurable_from_lightning_cli_yaml(tmp_path):
+    from jsonargparse import ArgumentParser
+
+    write_parquet_shard(tmp_path / "train.parquet", _rows(0, 20))
+    parser = ArgumentParser()
+    parser.add_class_arguments(DALLEDataModule, "data")
+    config = parser.parse_string(
+        f"data:\n  train_files: [{tmp_path}/train*.parquet]\n  image_grid_size: {GRID}\n  codebook_size: {CODEBOOK}\n"
+        "  nsfw_allowed: [UNLIKELY, UNSURE]\n  seed: 5\n  num_val_rows: 4\n"
+    )
+    datamodule = parser.instantiate(config).data
+    assert isinstance(datamodule, DALLEDataModule) and datamodule.seed == 5
+    assert datamodule.row_filter.nsfw_allowed == {"UNLIKELY", "UNSURE"}
+
+
+def test_feeds_a_lightning_trainer(tmp_path):
+    import lightning.pytorch as pl
+
+    class CountingModule(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.embedding = torch.nn.Embedding(CODEBOOK, 4)
+            self.head = torch.nn.Linear(4, CODEBOOK)
+            self.val_rows = 0
+
+        def training_step(self, batch, batch_idx):
+            assert batch["image"].shape == (8, GRID * GRID) and batch["text"].shape == (8, 8)
+            logits = self.head(self.embedding(batch["image"]))
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["image"].flatten())
+
+        def validation_step(self, batch, batch_idx):
+            self.val_rows += len(batch["caption"])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    write_parquet_shard(tmp_path / "train.parquet", _rows(0, 30))
+    datamodule = DALLEDataModule(train_files=str(tmp_path / "train.parquet"), num_val_rows=10, text_seq_len=8,
+                                 image_grid_size=GRID, codebook_size=CODEBOOK, batch_size=8, shuffle_buffer=16,
+                                 seed=0, max_val_batches=1)
+    module = CountingModule()
+    trainer = pl.Trainer(max_steps=12, val_check_interval=6, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(module, datamodule=datamodule)
+    assert trainer.global_step == 12  # 96 rows from a 20-row training stream: it cycled
+    assert module.val_rows == 8 * 2 + 8  # sanity check, then 2 validations of max_val_batches=1
