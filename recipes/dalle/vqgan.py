@@ -261,7 +261,8 @@ class VQGAN(nn.Module):
 
     @classmethod
     def from_pretrained(cls, repo_id: str, checkpoint_filename: str, config_filename: str,
-                        revision: str | None = None, map_location: str | torch.device = "cpu") -> "VQGAN":
+                        revision: str | None = None, map_location: str | torch.device = "cpu",
+                        cache_dir: str | Path | None = None, local_files_only: bool = False) -> "VQGAN":
         """Download a taming checkpoint and its YAML config from a Hugging Face Hub model repo.
 
         Args:
@@ -270,11 +271,14 @@ class VQGAN(nn.Module):
             config_filename: taming YAML config in the repo.
             revision: branch, tag or commit (default: the main branch).
             map_location: device the tensors are loaded to.
+            cache_dir: Hub cache directory (default: huggingface_hub's, ~/.cache/huggingface/hub).
+            local_files_only: use only files already in the cache (no network).
         """
         from huggingface_hub import hf_hub_download
 
-        config_path = hf_hub_download(repo_id, config_filename, revision=revision)
-        checkpoint_path = hf_hub_download(repo_id, checkpoint_filename, revision=revision)
+        download = dict(revision=revision, cache_dir=cache_dir, local_files_only=local_files_only)
+        config_path = hf_hub_download(repo_id, config_filename, **download)
+        checkpoint_path = hf_hub_download(repo_id, checkpoint_filename, **download)
         return cls.from_taming(config_path, checkpoint_path, map_location)
 
 

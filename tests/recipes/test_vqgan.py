@@ -195,3 +195,21 @@ def test_bad_config_is_explained():
         VQGANConfig(ch=24)
     with pytest.raises(ValueError, match="embed_dim == z_channels"):
         VQGANConfig(embed_dim=128)
+
+
+def test_from_pretrained_reads_a_hub_cache(tmp_path):
+    """The Hub code path, offline: files laid out as huggingface_hub's cache stores a downloaded repo."""
+    model = random_vqgan("gumbel")
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "models--someone--tiny-vqgan"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    model.config.to_taming_yaml(snapshot / "model.yaml")
+    save_taming_checkpoint(model, snapshot / "last.ckpt")
+
+    loaded = VQGAN.from_pretrained("someone/tiny-vqgan", "last.ckpt", "model.yaml", cache_dir=tmp_path,
+                                   local_files_only=True)
+    images = torch.rand(1, 3, 16, 16)
+    assert torch.equal(loaded.encode(images), model.encode(images))
