@@ -9,6 +9,7 @@ its own seed), and bad rows are skipped and counted instead of crashing a run th
 from __future__ import annotations
 
 import glob
+import itertools
 import logging
 import multiprocessing
 import os
@@ -112,13 +113,14 @@ class CaptionCodeStream(IterableDataset):
         batch_size: rows per batch.
         cycle: start a new pass (reshuffled through `set_epoch`) when the stream ends, forever.
         max_batches: stop after this many batches (None: no limit).
+        held_out: (caption, code) pairs of rows to leave out (validation rows taken from this stream).
     """
 
     def __init__(self, rows, tokenizer: TextTokenizer, row_filter: RowFilter, counters: SkipCounters,
-                 batch_size: int, cycle: bool, max_batches: int | None = None):
+                 batch_size: int, cycle: bool, max_batches: int | None = None, held_out: frozenset = frozenset()):
         super().__init__()
         self.rows, self.tokenizer, self.row_filter, self.counters = rows, tokenizer, row_filter, counters
-        self.batch_size, self.cycle, self.max_batches = batch_size, cycle, max_batches
+        self.batch_size, self.cycle, self.max_batches, self.held_out = batch_size, cycle, max_batches, held_out
 
     def _collate(self, captions: list[str], codes: list[np.ndarray]) -> dict:
         return {
@@ -134,6 +136,8 @@ class CaptionCodeStream(IterableDataset):
                 self.rows.set_epoch(epoch)
             kept, skipped = 0, {}
             for row in self.rows:
+                if self.held_out and (row.get("caption"), row.get("code")) in self.held_out:
+                    continue
                 result = self.row_filter(row)
                 if isinstance(result, str):
                     if not sum(self.counters.as_dict().values()):
@@ -173,12 +177,12 @@ class DALLEDataModule(LightningDataModule):
     Args:
         train_files: glob(s) of local (or fsspec URL) parquet files with training rows.
         val_files: glob(s) of parquet files with validation rows; if None, validation takes the first
-            `num_val_rows` rows of the training stream and training skips them.
+            `num_val_rows` rows of the training stream (kept in memory) and training leaves them out.
         dataset_name: Hub dataset name (e.g. "laion/laion_100m_vqgan_f8") or a local dataset directory.
         dataset_config: the Hub dataset's configuration name, if it has several.
         train_split: split of `dataset_name` to train on.
         val_split: split of `dataset_name` to validate on; if None, the first `num_val_rows` rows of
-            `train_split` (unshuffled), which training then skips.
+            `train_split` (unshuffled, kept in memory), which training then leaves out.
         num_val_rows: validation rows taken from the training stream when no validation source is given.
         data_dir: where the embedded shapes dataset is written when no source is given, in a subfolder
             per row count (default ~/.cache/lightning_swarm/shapes-v1).
@@ -252,6 +256,7 @@ class DALLEDataModule(LightningDataModule):
         )
         self.counters = SkipCounters()
         self._train_rows = self._val_rows = None
+        self._held_out = frozenset()  # (caption, code) of validation rows taken from the training stream
 
     @property
     def skipped(self) -> dict[str, int]:
@@ -303,12 +308,20 @@ class DALLEDataModule(LightningDataModule):
             val = None
             if hp.val_split is not None:
                 val = datasets.load_dataset(hp.dataset_name, hp.dataset_config, split=hp.val_split, streaming=True)
+        train = self._select_columns(train)
+        self._held_out = frozenset()
         if val is None:
+            # The first rows of the (unshuffled) stream validate; training excludes them by content. Not
+            # train.skip(n): with skip, datasets stops shuffling the shard order, and every peer of a swarm
+            # would then read the shards in the same order.
             if hp.num_val_rows < 1:
                 raise ValueError("no validation source: give val_files/val_split or num_val_rows >= 1")
-            val, train = train.take(hp.num_val_rows), train.skip(hp.num_val_rows)
-        self._train_rows = self._select_columns(train).shuffle(seed=self.seed, buffer_size=hp.shuffle_buffer)
-        self._val_rows = self._select_columns(val)
+            val = list(itertools.islice(train, hp.num_val_rows))
+            self._held_out = frozenset((row.get("caption"), row.get("code")) for row in val)
+        else:
+            val = self._select_columns(val)
+        self._train_rows = train.shuffle(seed=self.seed, buffer_size=hp.shuffle_buffer)
+        self._val_rows = val
 
     @staticmethod
     def _load_parquet(files: str | list[str]):
@@ -335,15 +348,16 @@ class DALLEDataModule(LightningDataModule):
         present = [name for name in wanted if name in rows.features]
         return rows.select_columns(present)
 
-    def _loader(self, rows, cycle: bool, max_batches: int | None, num_workers: int) -> DataLoader:
+    def _loader(self, rows, cycle: bool, max_batches: int | None, num_workers: int,
+                held_out: frozenset = frozenset()) -> DataLoader:
         if rows is None:
             raise RuntimeError("call datamodule.setup() first")
         stream = CaptionCodeStream(rows, self.tokenizer, self.row_filter, self.counters,
-                                   self.hparams.batch_size, cycle, max_batches)
+                                   self.hparams.batch_size, cycle, max_batches, held_out)
         return DataLoader(stream, batch_size=None, num_workers=num_workers, persistent_workers=num_workers > 0)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self._train_rows, self.hparams.cycle, None, self.hparams.num_workers)
+        return self._loader(self._train_rows, self.hparams.cycle, None, self.hparams.num_workers, self._held_out)
 
     def val_dataloader(self) -> DataLoader:
         # validation reads in this process: it is short, and max_val_batches then counts all batches

@@ -128,6 +128,18 @@ def test_per_peer_seed_changes_the_order(tmp_path):
     assert first == again and first != other and sorted(first) == sorted(other) == list(range(8, 80))
 
 
+def test_peers_start_on_different_shards(tmp_path):
+    # With shuffle_buffer=1 only the shard order mixes rows: peers must not all begin with the same shard,
+    # also when validation rows were taken from the training stream.
+    _write_shards(tmp_path, "train", num_shards=8, rows_per_shard=4)
+    files = str(tmp_path / "train-*.parquet")
+    first_shards = set()
+    for seed in range(4):
+        datamodule = _datamodule(train_files=files, seed=seed, num_val_rows=2, shuffle_buffer=1, batch_size=1)
+        first_shards.add(_indices(datamodule.train_dataloader(), max_batches=1)[0] // 4)
+    assert len(first_shards) > 1
+
+
 def test_training_stream_cycles_with_fresh_shuffles(tmp_path):
     _write_shards(tmp_path, "train", num_shards=2, rows_per_shard=12)
     datamodule = _datamodule(train_files=str(tmp_path / "train-*.parquet"), num_val_rows=4, cycle=True)
