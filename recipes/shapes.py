@@ -208,7 +208,8 @@ def parse_caption(caption: str) -> dict | None:
 
 
 def _components(mask: np.ndarray) -> list[np.ndarray]:
-    """4-connected components of a boolean grid, as lists of (row, col) cells."""
+    """8-connected components of a boolean grid, as arrays of (row, col) cells (8-connected, so that a
+    shape drawn with a missing cell still reads as one blob; generated shapes are >= 2 cells apart)."""
     seen = np.zeros_like(mask)
     found = []
     for start in zip(*np.nonzero(mask)):
@@ -219,7 +220,7 @@ def _components(mask: np.ndarray) -> list[np.ndarray]:
         while stack:
             r, c = stack.pop()
             cells.append((r, c))
-            for nr, nc in ((r + 1, c), (r - 1, c), (r, c + 1), (r, c - 1)):
+            for nr, nc in ((r + dr, c + dc) for dr in (-1, 0, 1) for dc in (-1, 0, 1)):
                 if 0 <= nr < mask.shape[0] and 0 <= nc < mask.shape[1] and mask[nr, nc] and not seen[nr, nc]:
                     seen[nr, nc] = True
                     stack.append((nr, nc))

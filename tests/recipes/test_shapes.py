@@ -100,6 +100,8 @@ def test_checker_tolerates_small_drawing_errors():
         shape_cells = np.argwhere(noisy != 0)
         row, col = shape_cells[rng.integers(len(shape_cells))]
         noisy[row, col] = rng.integers(1, len(PALETTE))  # one cell of a wrong colour inside the shape
+        row, col = shape_cells[rng.integers(len(shape_cells))]
+        noisy[row, col] = 0  # and one cell missing
         background = np.argwhere(noisy == 0)
         row, col = background[rng.integers(len(background))]
         if not (noisy[max(row - 1, 0) : row + 2, max(col - 1, 0) : col + 2] != 0).any():
