@@ -1,0 +1,207 @@
+"""The monitor's presence in the swarm: a DHT node with a fixed identity and a hivemind.Optimizer that never
+steps, used only to download the swarm's state (for checkpoints) and to serve a reverted state.
+
+It computes no gradients. Like the trainers it wraps the module's own optimizer (and LR scheduler) in
+``hivemind.Optimizer`` under the same ``run_id``, so the state trainers send has the same layout here.
+
+Revert (moderators, after an attack or a divergence): :meth:`MonitorPeer.revert_to` loads a checkpoint and
+serves it as the newest state of the run: its epoch is set past the swarm's (so every trainer sees itself
+behind and reloads, and every joiner loads it), and it is offered with the highest state-sharing priority,
+which hivemind peers use to choose whom to download from. Trainers that reload continue from it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any, Dict, List, Optional, Sequence
+
+import hivemind
+import torch
+from hivemind.compression import NoCompression
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.optim.progress_tracker import LocalTrainingProgress
+from hivemind.utils import get_dht_time
+from lightning.pytorch.core.optimizer import _configure_optimizers, _configure_schedulers_automatic_opt
+
+from lightning_swarm import metrics as swarm_metrics
+from lightning_swarm.callbacks.checkpoint_io import read_checkpoint
+
+logger = logging.getLogger(__name__)
+
+# how long a revert's progress record lives in the DHT unless refreshed
+REVERT_RECORD_EXPIRATION = 30.0
+
+
+def _optimizer_factory(optimizer: torch.optim.Optimizer):
+    """Re-create the module's optimizer (same class and hyper-parameters) on the param groups hivemind passes."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    any_kwarg = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    defaults = {k: v for k, v in optimizer.defaults.items() if any_kwarg or k in accepted}
+    return lambda param_groups: type(optimizer)(param_groups, **defaults)
+
+
+def configure_optimizer(module: torch.nn.Module):
+    """(optimizer, scheduler or None) from ``module.configure_optimizers()``, in any format Lightning accepts."""
+    optimizers, schedulers, _ = _configure_optimizers(module.configure_optimizers())
+    if len(optimizers) != 1:
+        raise ValueError(f"The swarm trains with exactly one optimizer; configure_optimizers gave {len(optimizers)}")
+    configs = _configure_schedulers_automatic_opt(schedulers, None)
+    if len(configs) > 1:
+        raise ValueError(f"The swarm supports at most one LR scheduler; configure_optimizers gave {len(configs)}")
+    return optimizers[0], (configs[0].scheduler if configs else None)
+
+
+class MonitorPeer:
+    """Joins the run's DHT and holds a never-stepping hivemind.Optimizer for state download/serving.
+
+    Args:
+        module: the model, built from the trainers' config (its parameters receive the downloaded state).
+        run_id: the run's id (the trainers' ``HivemindStrategy(run_id=...)``).
+        target_batch_size: the run's target batch size (as the trainers have it).
+        initial_peers: peers to join; empty when the monitor starts the swarm (the usual case).
+        host_maddrs: addresses to listen on, e.g. ``["/ip4/0.0.0.0/tcp/31337"]`` (a fixed port).
+        announce_maddrs: public addresses to announce (behind NAT/port forwarding).
+        identity_path: private key file that fixes the peer id (created if missing).
+        load_state_timeout: seconds to wait for a peer to send the state.
+        averager_opts / tracker_opts: passed to hivemind.Optimizer like the trainers do.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        run_id: str,
+        target_batch_size: int,
+        initial_peers: Sequence[str] = (),
+        host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/31337",),
+        announce_maddrs: Optional[Sequence[str]] = None,
+        identity_path: Optional[str] = None,
+        load_state_timeout: float = 600.0,
+        averager_opts: Optional[Dict[str, Any]] = None,
+        tracker_opts: Optional[Dict[str, Any]] = None,
+    ):
+        self.module, self.run_id, self.target_batch_size = module, run_id, target_batch_size
+        dht_kwargs = dict(announce_maddrs=list(announce_maddrs)) if announce_maddrs else {}
+        self.dht = hivemind.DHT(
+            initial_peers=list(initial_peers) or None,
+            host_maddrs=list(host_maddrs),
+            identity_path=identity_path,
+            record_validators=swarm_metrics.make_validators(run_id),
+            start=True,
+            **dht_kwargs,
+        )
+        optimizer, scheduler = configure_optimizer(module)
+        scheduler_factory = None
+        if scheduler is not None:
+            from lightning_swarm.scheduler import rebind_scheduler  # same LR-schedule handling as the trainers
+
+            scheduler_factory = lambda new_optimizer: rebind_scheduler(scheduler, new_optimizer)  # noqa: E731
+        self.optimizer = hivemind.Optimizer(
+            dht=self.dht,
+            run_id=run_id,
+            target_batch_size=target_batch_size,
+            optimizer=_optimizer_factory(optimizer),
+            params=optimizer.param_groups,
+            scheduler=scheduler_factory,
+            use_local_updates=True,  # no gradient averager: this peer never contributes gradients
+            offload_optimizer=False,  # the module's parameters are the ones the state is loaded into
+            load_state_timeout=load_state_timeout,
+            load_state_compression=NoCompression(),  # a reverted state is served exactly
+            averager_opts=averager_opts,
+            tracker_opts=tracker_opts,
+        )
+        # the monitor's state lags behind the trainers': only offer it when reverting
+        self.optimizer.state_averager.allow_state_sharing = False
+        self.reverted_epoch: Optional[int] = None
+
+    # ------------------------------------------------------------------ addresses and metrics
+
+    @property
+    def addresses(self) -> List[str]:
+        """Full multiaddrs (with ``/p2p/<peer id>``) that trainers pass as ``initial_peers``."""
+        return [str(maddr) for maddr in self.dht.get_visible_maddrs()]
+
+    def fetch_metrics(self) -> Dict[bytes, swarm_metrics.LocalMetrics]:
+        """The latest unexpired metrics record of every trainer, by public key."""
+        return swarm_metrics.fetch_metrics(self.dht, self.run_id)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the state this monitor holds."""
+        return int(self.optimizer.local_epoch)
+
+    @property
+    def swarm_epoch(self) -> int:
+        """The run's global epoch as the progress tracker last saw it."""
+        return int(self.optimizer.tracker.global_epoch)
+
+    # ------------------------------------------------------------------ state
+
+    def load_state_from_peers(self) -> bool:
+        """Download the newest state from the trainers; True if an epoch newer than ours arrived."""
+        before = self.epoch
+        self.optimizer.load_state_from_peers()
+        if self.reverted_epoch is None:
+            self.optimizer.state_averager.allow_state_sharing = False
+        return self.epoch > before
+
+    def optimizer_states(self) -> List[dict]:
+        return [self.optimizer.state_dict()]
+
+    def scheduler_states(self) -> List[dict]:
+        scheduler = self.optimizer.state_averager.scheduler
+        return [scheduler.state_dict()] if scheduler is not None else []
+
+    def revert_to(self, url: str) -> int:
+        """Make the checkpoint at ``url`` the state every trainer and every joiner loads; returns its new epoch.
+
+        The epoch is set to at least two past the swarm's (hivemind peers reload once they are more than one
+        epoch behind), so the LR schedule moves on with it.
+        """
+        checkpoint = read_checkpoint(url)
+        checkpoint.load_into(self.module)
+        if checkpoint.optimizer_states:
+            state = dict(checkpoint.optimizer_states[0])
+            state["state"] = {k: v for k, v in state["state"].items() if k != "local_epoch"}
+            self.optimizer.load_state_dict(state)
+        newest_reported = max((r.step for r in self.fetch_metrics().values()), default=0)
+        epoch = max(int(checkpoint.meta.get("global_epoch") or 0), self.swarm_epoch + 2, newest_reported + 2)
+        averager = self.optimizer.state_averager
+        averager.local_epoch = epoch
+        averager._update_scheduler()  # the schedule follows the epoch, as on every peer
+        averager.allow_state_sharing = True
+        averager.state_sharing_priority = epoch + 0.5  # above every trainer still at an older epoch
+        self.reverted_epoch = epoch
+        self.announce_revert()
+        logger.warning(f"Reverted run {self.run_id!r} to {checkpoint.url}: serving it as epoch {epoch}")
+        return epoch
+
+    def announce_revert(self) -> None:
+        """(Re)publish a progress record at the reverted epoch so trainers see they are behind and reload.
+
+        Signed with this process's key under the run's progress key, like hivemind's ProgressTracker does.
+        """
+        if self.reverted_epoch is None:
+            return
+        record = LocalTrainingProgress(
+            peer_id=self.dht.peer_id.to_bytes(),
+            epoch=self.reverted_epoch,
+            samples_accumulated=0,
+            samples_per_second=0.0,
+            time=get_dht_time(),
+            client_mode=False,
+        )
+        self.dht.store(
+            key=f"{self.run_id}_progress",
+            subkey=RSASignatureValidator().local_public_key,
+            value=record.dict(),
+            expiration_time=get_dht_time() + REVERT_RECORD_EXPIRATION,
+        )
+
+    def end_revert(self) -> None:
+        """Stop announcing the reverted epoch (the trainers have moved on from it)."""
+        self.reverted_epoch = None
+
+    def shutdown(self) -> None:
+        self.optimizer.shutdown()
+        self.dht.shutdown()

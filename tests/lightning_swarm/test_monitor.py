@@ -1,0 +1,255 @@
+"""The monitor peer: metrics aggregation, contribution table, config loading (fast), and a real swarm on
+127.0.0.1 (slow): two trainers + the monitor, its checkpoint, then a revert and a new peer starting from it."""
+
+import csv
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import yaml
+
+from ckpt_tiny_module import TinyRegressor
+from lightning_swarm.callbacks.checkpoint_io import read_checkpoint
+from lightning_swarm.metrics import LocalMetrics
+from lightning_swarm.monitor.aggregate import ContributionTable, aggregate, peer_name
+from lightning_swarm.monitor.config import build_module, load_monitor_config, strategy_settings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def record(step=3, loss=1.0, sps=2.0, samples=10, mini_steps=2, t=100.0):
+    return LocalMetrics(step=step, loss=loss, samples_per_second=sps, samples_accumulated=samples,
+                        mini_steps=mini_steps, time=t)
+
+
+def test_aggregate_weights_loss_by_local_steps():
+    records = {b"a": record(step=3, loss=1.0, sps=2.0, mini_steps=1), b"b": record(step=4, loss=4.0, sps=3.5, mini_steps=3)}
+    snapshot = aggregate(records, samples_contributed=20)
+    assert snapshot.loss == pytest.approx((1.0 * 1 + 4.0 * 3) / 4)
+    assert snapshot.alive_peers == 2 and snapshot.step == 4
+    assert snapshot.samples_per_second == pytest.approx(5.5)
+    assert set(snapshot.records) == {peer_name(b"a"), peer_name(b"b")}
+    no_steps = {b"a": record(loss=1.0, mini_steps=0), b"b": record(loss=2.0, mini_steps=0)}
+    assert aggregate(no_steps).loss == pytest.approx(1.5)
+    assert aggregate({}) is None
+
+
+def test_contribution_table_counts_samples_and_time_without_gaps(tmp_path):
+    table = ContributionTable(max_gap=60)
+    table.update({b"a": record(samples=8, t=100.0), b"b": record(samples=4, t=100.0)})
+    table.update({b"a": record(samples=16, t=130.0)})
+    table.update({b"a": record(samples=16, t=130.0)})  # the same record again changes nothing
+    table.update({b"a": record(samples=40, t=500.0), b"b": record(samples=12, t=140.0)})  # a was away 370 s
+    rows = {row.peer: row for row in table.sorted_rows()}
+    assert rows[peer_name(b"a")].samples == 40 and rows[peer_name(b"a")].seconds == pytest.approx(30.0)
+    assert rows[peer_name(b"b")].samples == 12 and rows[peer_name(b"b")].seconds == pytest.approx(40.0)
+    assert table.total_samples == 52
+    table.write(str(tmp_path))
+    with open(tmp_path / "contributions.csv") as f:
+        written = list(csv.DictReader(f))
+    assert [r["peer"] for r in written] == [peer_name(b"a"), peer_name(b"b")]  # most samples first
+    assert json.loads((tmp_path / "contributions.json").read_text())[1]["samples"] == 12
+
+
+def test_config_builds_the_trainers_module(tmp_path):
+    config = {
+        "model": {"class_path": "ckpt_tiny_module.TinyRegressor", "init_args": {"dim": 6, "hidden": 10}},
+        "trainer": {"strategy": {"class_path": "lightning_swarm.HivemindStrategy",
+                                 "init_args": {"run_id": "r1", "target_batch_size": 64, "compression": "none"}}},
+        "data": {"whatever": 1},
+    }
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(config))
+    module, swarm = load_monitor_config(str(path))
+    assert isinstance(module, TinyRegressor) and module.embed.weight.shape == (10, 6)
+    assert swarm == {"run_id": "r1", "target_batch_size": 64, "compression": "none"}
+    # recipes whose CLI fixes the model class have no class_path: --model_class names it
+    module = build_module({"model": {"dim": 4}}, model_class="ckpt_tiny_module.TinyRegressor")
+    assert module.embed.weight.shape == (16, 4)
+    with pytest.raises(ValueError, match="--model_class"):
+        build_module({"model": {"dim": 4}})
+    assert strategy_settings({"trainer": {}}) == {}
+
+
+# --------------------------------------------------------------------------------------------- real swarm
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A child process whose stdout lines are collected by a thread (stderr goes to a file)."""
+
+    def __init__(self, args, log_path, env):
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self.log, env=env, text=True,
+                                     cwd=os.path.dirname(log_path), start_new_session=True)
+        self.lines = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_line(self, prefix, timeout):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.lines:
+                if line.startswith(prefix):
+                    return line
+            if self.proc.poll() is not None:
+                raise AssertionError(f"process exited ({self.proc.returncode}) before printing {prefix!r}")
+            time.sleep(0.1)
+        raise AssertionError(f"no {prefix!r} line within {timeout}s")
+
+    def stop(self, timeout=20):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def wait_for(condition, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def read_jsonl(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_atomically(path, text):
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_monitor_with_two_trainers_checkpoint_and_revert(tmp_path):
+    run_id = "ckpt_monitor_test"
+    config = {
+        "model": {"class_path": "ckpt_tiny_module.TinyRegressor", "init_args": {"dim": 8, "hidden": 16}},
+        "trainer": {"strategy": {"class_path": "lightning_swarm.HivemindStrategy", "init_args": {
+            "run_id": run_id, "target_batch_size": 16, "compression": "none", "load_state_timeout": 20,
+            "tracker_opts": {"min_refresh_period": 0.1, "max_refresh_period": 0.5, "default_refresh_period": 0.2},
+        }}},
+    }
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(config))
+    remote = tmp_path / "remote"  # a local fsspec upload target
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    port = free_port()
+
+    def monitor(log_name, *extra):
+        return Proc([sys.executable, "-m", "lightning_swarm.monitor", "--config", "cfg.yaml",
+                     "--host_maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--identity_path", "monitor.id",
+                     "--refresh_period", "0.5", "--save_every_epochs", "2", "--upload_to", str(remote),
+                     "--upload_backoff_seconds", "0.5", "--max_runtime", "400", *extra],
+                    str(tmp_path / log_name), env)
+
+    def trainer(name, seed, peers_file):
+        return Proc([sys.executable, os.path.join(HERE, "ckpt_swarm_trainer.py"), "--run_id", run_id,
+                     "--peers_file", peers_file, "--out_dir", str(tmp_path / name),
+                     "--stop_file", str(tmp_path / f"stop_{name}"), "--seed", str(seed)],
+                    str(tmp_path / f"{name}.log"), env)
+
+    procs = []
+    try:
+        # the monitor is the swarm's first peer; trainers import meanwhile and join once it prints its address
+        procs.append(monitor("monitor.log", "--log_dir", "logs", "--checkpoint_dir", "ckpt"))
+        peers_file = str(tmp_path / "peers.txt")
+        procs += [trainer("a", 1, peers_file), trainer("b", 2, peers_file)]
+        address = procs[0].wait_line("MONITOR_ADDRESS", 150).split()[1]
+        write_atomically(peers_file, address)
+
+        snapshots_path = str(tmp_path / "logs" / "snapshots.jsonl")
+        wait_for(lambda: any(s["alive_peers"] == 2 for s in read_jsonl(snapshots_path))
+                 and (remote / "latest").exists(), 150, "2 alive peers in the monitor's log and an upload")
+
+        # the logged figures are exactly what the trainers published
+        published = [r for name in "ab" for r in read_jsonl(str(tmp_path / name / "published.jsonl"))]
+        snapshots = read_jsonl(snapshots_path)
+        both = [s for s in snapshots if s["alive_peers"] == 2]
+        assert both and max(s["alive_peers"] for s in snapshots) == 2
+        for snapshot in snapshots:
+            assert all(r in published for r in snapshot["records"].values())
+            assert len(snapshot["records"]) == snapshot["alive_peers"]
+            steps = sum(r["mini_steps"] for r in snapshot["records"].values())
+            expected = sum(r["loss"] * r["mini_steps"] for r in snapshot["records"].values()) / steps
+            assert snapshot["loss"] == pytest.approx(expected)
+        with open(tmp_path / "logs" / "monitor" / run_id / "metrics.csv") as f:
+            logged = list(csv.DictReader(f))
+        assert [float(row["swarm/alive_peers"]) for row in logged[: len(snapshots)]] == [
+            s["alive_peers"] for s in snapshots[: len(logged)]]
+        assert [float(row["swarm/loss"]) for row in logged[: len(snapshots)]] == pytest.approx(
+            [s["loss"] for s in snapshots[: len(logged)]])
+        contributions = json.loads((tmp_path / "logs" / "contributions.json").read_text())
+        assert len(contributions) == 2 and all(row["samples"] > 0 for row in contributions)
+
+        # the uploaded checkpoint loads into a fresh module, identical to the monitor's local copy, and trained
+        uploaded = read_checkpoint(str(remote))
+        assert uploaded.meta["run_id"] == run_id and uploaded.meta["global_epoch"] >= 2
+        fresh, local = TinyRegressor(), TinyRegressor()
+        uploaded.load_into(fresh)
+        read_checkpoint(str(tmp_path / "ckpt" / os.path.basename(uploaded.url))).load_into(local)
+        for key, value in local.state_dict().items():
+            assert torch.equal(fresh.state_dict()[key], value), key
+        from safetensors.torch import load_file
+
+        for name in "ab":  # the state moved away from where each trainer started: it is trained state
+            started = load_file(str(tmp_path / name / "start.safetensors"))
+            assert not torch.equal(started["mid.weight"], fresh.mid.weight.detach())
+
+        # moderators revert: trainers stop, the monitor restarts (same identity and address) with --revert_to
+        for name in "ab":
+            (tmp_path / f"stop_{name}").touch()
+        for proc in procs:
+            proc.stop()
+        procs = []
+        revert_url = uploaded.url
+        peers_file_c = str(tmp_path / "peers_c.txt")
+        procs.append(monitor("monitor2.log", "--log_dir", "logs2", "--checkpoint_dir", "ckpt2",
+                             "--revert_to", revert_url))
+        procs.append(trainer("c", 3, peers_file_c))
+        reverted_epoch = int(procs[0].wait_line("[lightning_swarm.monitor] REVERTED", 150).split()[-1])
+        assert reverted_epoch >= uploaded.meta["global_epoch"]
+        write_atomically(peers_file_c, address)
+
+        # the new peer starts from the reverted checkpoint, exactly, and trains on from there
+        start = wait_for(lambda: read_jsonl(str(tmp_path / "c" / "start.json")), 120, "trainer c to start")[0]
+        assert start["global_epoch"] == reverted_epoch
+        started_with = load_file(str(tmp_path / "c" / "start.safetensors"))
+        saved = uploaded.model_state_dict()
+        assert set(saved) <= set(started_with)
+        for key in ("embed.weight", "mid.weight", "mid.bias", "tie"):
+            assert torch.equal(started_with[key], saved[key]), key
+        wait_for(lambda: (read_jsonl(str(tmp_path / "c" / "progress.json")) or [{}])[0].get("global_epoch", 0)
+                 >= reverted_epoch + 2, 90, "trainer c to train two epochs past the revert")
+    finally:
+        for name in "abc":
+            (tmp_path / f"stop_{name}").touch()
+        for proc in procs:
+            proc.stop()
