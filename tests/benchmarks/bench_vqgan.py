@@ -6,6 +6,7 @@ Random weights: speed does not depend on the values. Prints one line per (direct
 """
 
 import argparse
+import os
 import time
 
 import torch
@@ -28,18 +29,24 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--resolution", type=int, default=256)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--channels-last", action="store_true", help="NHWC memory format (oneDNN convs)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
     config = VQGANConfig(resolution=args.resolution)  # defaults: ch 128, ch_mult [1,1,2,4], 8192 codes, Gumbel
     model = VQGAN(config).to(getattr(torch, args.dtype))
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
     params = sum(p.numel() for p in model.parameters())
     print(f"VQGAN f{config.downsample_factor}-{config.n_embed} ({config.quantizer}), {params / 1e6:.1f}M params, "
           f"{args.resolution}x{args.resolution} -> {model.grid_size}x{model.grid_size} codes, {args.dtype}, "
-          f"{args.threads} threads, torch {torch.__version__}")
+          f"{args.threads} threads, channels_last={args.channels_last}, torch {torch.__version__}, "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (other processes skew the figures)")
     for batch_size in args.batch_sizes:
         images = torch.rand(batch_size, 3, args.resolution, args.resolution)
+        if args.channels_last:
+            images = images.to(memory_format=torch.channels_last)
         codes = model.encode(images)
         encode = images_per_second(lambda: model.encode(images), batch_size, args.repeats)
         decode = images_per_second(lambda: model.decode(codes), batch_size, args.repeats)
