@@ -1,0 +1,129 @@
+"""Training throughput of the DALL-E model on the CPU ("bench-small"), optionally against DALLE-pytorch 1.6.6.
+
+bench-small: dim 256, depth 8, 4 heads of 64, text 64 tokens, 16x16 grid, 1024 codes, axial
+row/col/row/row with 4 shared blocks, reversible, rotary, batch 8, 2 threads (the config of
+/work/shared/peers/dalle_pytorch_anchor.py). Each measurement runs in a fresh subprocess; with
+``--anchor-python`` ours and the anchor alternate ``--repeats`` times and the ratio of medians is printed
+(other processes share the cores, so single figures are noisy).
+
+    python tests/benchmarks/bench_dalle_train.py [--anchor-python /tmp/anchor-venv/bin/python] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ANCHOR = Path("/work/shared/peers/dalle_pytorch_anchor.py")
+
+
+def bench_small_config(**overrides):
+    from recipes.dalle.model import DALLEConfig
+
+    values = dict(dim=256, depth=8, heads=4, dim_head=64, text_seq_len=64, image_vocab_size=1024, image_grid_size=16,
+                  attn_types=("axial_row", "axial_col", "axial_row", "axial_row"), last_layer_conv=False,
+                  shared_layer_ids=(0, 1, 2, 3), reversible=True, rotary=True)
+    values.update(overrides)
+    return DALLEConfig(**values)
+
+
+def worker(threads: int, batch_size: int, steps: int, sample: bool) -> dict:
+    """Measure in this process: training samples/s (fwd + bwd + AdamW) and seconds to sample one image."""
+    import torch
+
+    from recipes.dalle.model import DALLE
+
+    torch.manual_seed(0)
+    torch.set_num_threads(threads)
+    config = bench_small_config()
+    model = DALLE(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    text = torch.randint(1, config.text_vocab_size, (batch_size, config.text_seq_len))
+    image = torch.randint(0, config.image_vocab_size, (batch_size, config.num_image))
+
+    def step():
+        loss = model.compute_loss(text, image)["loss"]
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # warm-up
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    step_seconds = (time.perf_counter() - start) / steps
+    result = {"params_unique_M": model.num_parameters(unique=True) / 1e6, "step_s": step_seconds,
+              "samples_per_s": batch_size / step_seconds}
+    if sample:
+        model.eval()
+        start = time.perf_counter()
+        with torch.no_grad():
+            cache = model.new_cache(1)
+            logits = model.prefill(text[:1], cache)
+            for _ in range(config.num_image - 1):
+                # keep the top 10% of logits, as the anchor's filter_thres=0.9
+                top = logits.topk(max(1, logits.shape[-1] // 10), dim=-1)
+                probs = torch.zeros_like(logits).scatter_(-1, top.indices, top.values.softmax(-1))
+                logits = model.decode_step(torch.multinomial(probs, 1).view(-1), cache)
+        result["sample_s"] = time.perf_counter() - start
+    return result
+
+
+def run_ours(args) -> dict:
+    command = [sys.executable, __file__, "--worker", "--threads", str(args.threads), "--batch-size",
+               str(args.batch_size), "--steps", str(args.steps)] + ([] if args.no_sample else ["--sample"])
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run_anchor(args) -> dict:
+    out = subprocess.run([args.anchor_python, str(ANCHOR), str(args.threads)], check=True, capture_output=True,
+                         text=True).stdout
+    result = {"samples_per_s": float(re.search(r"train samples/s=([\d.]+)", out).group(1))}
+    generate = re.search(r"generate 1 image \(256 tokens\) s=([\d.]+)", out)
+    if generate:
+        result["sample_s"] = float(generate.group(1))
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads per measurement")
+    parser.add_argument("--batch-size", type=int, default=8, help="training batch size (the anchor uses 8)")
+    parser.add_argument("--steps", type=int, default=5, help="timed training steps per measurement")
+    parser.add_argument("--repeats", type=int, default=2, help="measurements of each side, alternating")
+    parser.add_argument("--anchor-python", default=None, help="python of a venv with dalle-pytorch==1.6.6")
+    parser.add_argument("--no-sample", action="store_true", help="skip timing one image sample")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--sample", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.threads, args.batch_size, args.steps, args.sample)))
+        return
+    ours, anchor = [], []
+    for repeat in range(args.repeats):
+        ours.append(run_ours(args))
+        print(f"[{repeat}] ours:   " + " ".join(f"{k}={v:.3f}" for k, v in ours[-1].items()), flush=True)
+        if args.anchor_python:
+            anchor.append(run_anchor(args))
+            print(f"[{repeat}] anchor: " + " ".join(f"{k}={v:.3f}" for k, v in anchor[-1].items()), flush=True)
+    ours_median = statistics.median(r["samples_per_s"] for r in ours)
+    print(f"ours   train samples/s (median of {len(ours)}) = {ours_median:.2f}")
+    if not args.no_sample:
+        print(f"ours   sample one image with KV cache s (median) = {statistics.median(r['sample_s'] for r in ours):.2f}")
+    if anchor:
+        anchor_median = statistics.median(r["samples_per_s"] for r in anchor)
+        print(f"anchor train samples/s (median of {len(anchor)}) = {anchor_median:.2f}")
+        if all("sample_s" in r for r in anchor):
+            print(f"anchor sample one image s (median) = {statistics.median(r['sample_s'] for r in anchor):.2f}")
+        print(f"throughput ratio ours/anchor = {ours_median / anchor_median:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
