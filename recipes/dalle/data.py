@@ -248,7 +248,7 @@ class DALLEDataModule(LightningDataModule):
         if seed is None:
             seed = secrets.randbits(31)
             log.warning(f"DALLEDataModule: no data seed given, using seed={seed} (set data.seed to reproduce)")
-        self.seed = seed
+        self.seed = self.hparams.seed = seed  # the seed in use is what hyperparameter logs show
         self.tokenizer = TextTokenizer(text_seq_len)
         self.row_filter = RowFilter(
             image_grid_size**2, codebook_size, min_caption_length, max_aspect_ratio,
