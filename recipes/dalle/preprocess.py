@@ -13,8 +13,8 @@ encoded in batches, and written as Brotli parquet shards `{prefix}-{k:05d}.parqu
 
 Shard k always holds input pairs [k * rows_per_shard, (k+1) * rows_per_shard) before filtering, and is
 written atomically (its `_stats/{shard}.json` last, as the mark of a finished shard; a shard whose
-pairs were all dropped has no parquet file), so an interrupted run restarted with the same arguments skips finished shards and
-produces the same rows. Corrupt or unreadable images and rows are skipped and counted per reason
+pairs were all dropped has no parquet file), so an interrupted run restarted with the same arguments
+skips finished shards and produces the same rows. Corrupt or unreadable images and rows are skipped and counted per reason
 (`{out}/_stats/{shard}.json`, summed in the final report).
 """
 
@@ -264,7 +264,8 @@ def build_codec(name: str, vqgan_config: str | None = None, vqgan_checkpoint: st
     from recipes.dalle.vqgan import VQGAN
 
     if not vqgan_config or not vqgan_checkpoint:
-        raise ValueError("--codec vqgan needs --vqgan-config and --vqgan-checkpoint (paths, or file names in --vqgan-repo)")
+        raise ValueError("--codec vqgan needs --vqgan-config and --vqgan-checkpoint "
+                         "(paths, or file names in --vqgan-repo)")
     if vqgan_repo:
         model = VQGAN.from_pretrained(vqgan_repo, vqgan_checkpoint, vqgan_config)
     else:
@@ -292,7 +293,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--hf-split", default="train", help="split of --hf-dataset")
     parser.add_argument("--hf-config", default=None, help="configuration of --hf-dataset")
     parser.add_argument("--image-column", default="image", help="image column of --hf-dataset")
-    parser.add_argument("--caption-column", default=None, help="caption column of --hf-dataset (default: caption/text/TEXT)")
+    parser.add_argument("--caption-column", default=None,
+                        help="caption column of --hf-dataset (default: caption, text or TEXT)")
     parser.add_argument("--out", required=True, help="output directory of the parquet shards")
     parser.add_argument("--codec", choices=["vqgan", "palette"], default="vqgan")
     parser.add_argument("--vqgan-config", help="taming YAML config (path, or file name in --vqgan-repo)")
@@ -320,7 +322,8 @@ def main(argv: list[str] | None = None) -> dict:
     elif args.tars:
         examples = iter_tar_shards(args.tars)
     else:
-        examples = iter_hf_dataset(args.hf_dataset, args.hf_split, args.hf_config, args.image_column, args.caption_column)
+        examples = iter_hf_dataset(args.hf_dataset, args.hf_split, args.hf_config, args.image_column,
+                                   args.caption_column)
     stats = preprocess(examples, codec, args.out, args.rows_per_shard, args.batch_size,
                        PairFilter(args.min_caption_length, args.max_aspect_ratio, tuple(args.nsfw_allowed)),
                        args.prefix, args.max_shards, args.num_workers)

@@ -151,7 +151,8 @@ def iter_hf_dataset(name: str, split: str = "train", config: str | None = None, 
     """
     import datasets
 
-    if Path(name).is_dir() and any((Path(name) / f).exists() for f in ("dataset_info.json", "dataset_dict.json", "state.json")):
+    saved_to_disk = ("dataset_info.json", "dataset_dict.json", "state.json")
+    if Path(name).is_dir() and any((Path(name) / f).exists() for f in saved_to_disk):
         dataset = datasets.load_from_disk(name)
         if isinstance(dataset, datasets.DatasetDict):
             dataset = dataset[split]

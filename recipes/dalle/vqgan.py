@@ -14,11 +14,10 @@ DESIGN.md: `encode(images in [0,1]) -> LongTensor[B, h, w]`, `decode(codes) -> i
 """
 
 import pickle
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import yaml
 from torch import nn
 
@@ -91,7 +90,8 @@ class VQGANConfig:
             params = model["params"]
             ddconfig = params["ddconfig"]
         except (KeyError, TypeError) as error:
-            raise ValueError(f"{path}: not a taming VQGAN config (needs model.params.ddconfig): missing {error}") from None
+            raise ValueError(f"{path}: not a taming VQGAN config (needs model.params.ddconfig): "
+                             f"missing {error}") from None
         target = model.get("target", "")
         if target.endswith("GumbelVQ"):
             quantizer = "gumbel"
@@ -101,8 +101,10 @@ class VQGANConfig:
             raise ValueError(f"{path}: model.target {target!r} is not taming's GumbelVQ or VQModel")
         if ddconfig.get("double_z", False):
             raise ValueError(f"{path}: ddconfig.double_z is true; VQGAN checkpoints use double_z: false")
-        fields = ("ch", "ch_mult", "num_res_blocks", "attn_resolutions", "z_channels", "resolution", "in_channels", "out_ch")
-        missing = [name for name in fields if name not in ddconfig] + [n for n in ("embed_dim", "n_embed") if n not in params]
+        fields = ("ch", "ch_mult", "num_res_blocks", "attn_resolutions", "z_channels", "resolution",
+                  "in_channels", "out_ch")
+        missing = [name for name in fields if name not in ddconfig]
+        missing += [name for name in ("embed_dim", "n_embed") if name not in params]
         if missing:
             raise ValueError(f"{path}: config lacks {missing}")
         return cls(**{name: ddconfig[name] for name in fields}, dropout=ddconfig.get("dropout", 0.0),

@@ -2,7 +2,6 @@
 
 import io
 import json
-import os
 import tarfile
 
 import numpy as np
@@ -198,7 +197,9 @@ def test_vqgan_codec_from_taming_files(tmp_path):
     assert stats["kept"] == 2
     rows = pq.read_table(tmp_path / "out" / "train-00000.parquet").to_pylist()
     for i, row in enumerate(rows):
-        image = Image.fromarray(pixels[i]).resize((24, 16), Image.Resampling.BICUBIC, reducing_gap=3.0).crop((4, 0, 20, 16))
+        # 48x32 -> shorter side 16 (24x16) -> centre 16x16
+        image = Image.fromarray(pixels[i]).resize((24, 16), Image.Resampling.BICUBIC, reducing_gap=3.0)
+        image = image.crop((4, 0, 20, 16))
         tensor = torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).float()[None] / 255
         assert np.array_equal(decode_code(row["code"]), model.encode(tensor).flatten().numpy())
         assert (row["original_width"], row["original_height"]) == (48, 32)
