@@ -20,6 +20,7 @@ The same through LightningCLI YAML::
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import re
@@ -337,7 +338,8 @@ class HivemindStrategy(SingleDeviceStrategy):
             params=optimizer.param_groups,
             scheduler=scheduler_factory,
             use_local_updates=False,
-            grad_averager_factory=SampleWeightedGradientAverager,
+            # hivemind passes averager_opts to the state averager only; the gradient averager needs them too
+            grad_averager_factory=functools.partial(SampleWeightedGradientAverager, **self._hivemind_kwargs["averager_opts"]),
             client_mode=None,  # derived from the DHT, which knows whether we are in client mode
             grad_compression=compression,
             state_averaging_compression=compression,
@@ -433,13 +435,16 @@ class SwarmStats:
         self.samples_contributed = 0
         self.swarm_samples_per_second = 0.0
         self._loss_sum, self._mini_steps = 0.0, 0
-        self._epoch, self._epoch_start = 0, time.perf_counter()
+        self._epoch, self._epoch_start = 0, None
         self._last_publish = -float("inf")
 
     def start(self, epoch: int) -> None:
-        self._epoch, self._epoch_start = epoch, time.perf_counter()
+        """Begin measuring at `epoch`; the clock starts at the first local step."""
+        self._epoch, self._epoch_start = epoch, None
 
     def record_step(self, batch_size: int, loss: Any, epoch: int, target_batch_size: int) -> None:
+        if self._epoch_start is None:
+            self._epoch_start = time.perf_counter()
         self.samples_contributed += int(batch_size)
         if loss is not None:
             self._loss_sum += float(loss.detach() if isinstance(loss, torch.Tensor) else loss)

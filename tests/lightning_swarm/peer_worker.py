@@ -87,14 +87,19 @@ class RegressionData(pl.LightningDataModule):
 class SwarmRecorder(pl.Callback):
     """Record parameters and swarm state at every global epoch; stop at `stop_at_epoch` (or after `max_seconds`).
 
-    wait_for_peers: before the first step, wait (up to 60 s) until this many peers are visible in the swarm.
+    barrier_dir, barrier_count: before the first step, write a file into `barrier_dir` and wait (up to 90 s) until
+        `barrier_count` peers did, so that peers start their first step together.
+    checkpoint_at_stop: if set, save a Lightning checkpoint to this path when stopping.
     """
 
-    def __init__(self, out_dir: str, stop_at_epoch: int = 3, max_seconds: float = 120.0, wait_for_peers: int = 1):
+    def __init__(self, out_dir: str, stop_at_epoch: int = 3, max_seconds: float = 120.0,
+                 barrier_dir: Optional[str] = None, barrier_count: int = 1, checkpoint_at_stop: Optional[str] = None):
         self.out_dir = Path(out_dir)
-        self.stop_at_epoch, self.max_seconds, self.wait_for_peers = stop_at_epoch, max_seconds, wait_for_peers
+        self.stop_at_epoch, self.max_seconds = stop_at_epoch, max_seconds
+        self.barrier_dir, self.barrier_count = barrier_dir, barrier_count
+        self.checkpoint_at_stop = checkpoint_at_stop
         self._last_epoch: Optional[int] = None
-        self._start = time.perf_counter()
+        self._start: Optional[float] = None
 
     def _write_event(self, **event: Any) -> None:
         with open(self.out_dir / "events.jsonl", "a") as f:
@@ -113,23 +118,38 @@ class SwarmRecorder(pl.Callback):
                 local_sps=strategy.local_samples_per_second, swarm_sps=strategy.stats.swarm_samples_per_second,
                 time=time.time(), pid=os.getpid(),
             )
-        if epoch >= self.stop_at_epoch or time.perf_counter() - self._start > self.max_seconds:
+        if not trainer.should_stop and (epoch >= self.stop_at_epoch or time.perf_counter() - self._start > self.max_seconds):
             trainer.should_stop = True
+            if self.checkpoint_at_stop:
+                trainer.save_checkpoint(self.checkpoint_at_stop)
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        deadline = time.perf_counter() + 60
-        while trainer.strategy.num_peers < self.wait_for_peers and time.perf_counter() < deadline:
-            time.sleep(0.2)
-        self._start = time.perf_counter()
-        self._record(trainer, pl_module, "start")
+    def _wait_for_barrier(self) -> None:
+        barrier = Path(self.barrier_dir)
+        barrier.mkdir(parents=True, exist_ok=True)
+        (barrier / str(os.getpid())).touch()
+        deadline = time.perf_counter() + 90
+        while len(list(barrier.iterdir())) < self.barrier_count and time.perf_counter() < deadline:
+            time.sleep(0.05)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self._start is None:  # first batch: the strategy has joined the swarm (and maybe loaded its state)
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            if self.barrier_dir:
+                self._wait_for_barrier()
+            self._start = time.perf_counter()
+            self._record(trainer, pl_module, "start")
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self._record(trainer, pl_module, "step")
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._write_event(kind="end", epoch=trainer.strategy.global_epoch, local_step=trainer.global_step,
-                          elapsed=time.perf_counter() - self._start, samples=trainer.strategy.stats.samples_contributed,
+        from lightning_swarm.metrics import fetch_metrics
+
+        strategy = trainer.strategy
+        published = fetch_metrics(strategy.dht, strategy.run_id)
+        self._write_event(kind="end", epoch=strategy.global_epoch, local_step=trainer.global_step,
+                          metrics_steps=sorted(record.step for record in published.values()),
+                          elapsed=time.perf_counter() - self._start, samples=strategy.stats.samples_contributed,
                           time=time.time(), pid=os.getpid())
 
 

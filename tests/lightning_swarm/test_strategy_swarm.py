@@ -1,0 +1,157 @@
+"""Multi-peer tests of HivemindStrategy: real peers as separate processes on 127.0.0.1, each a LightningCLI run
+of tests/lightning_swarm/peer_worker.py configured through YAML (trainer.strategy.class_path)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from peer_worker import TinyRegression, make_regression_data
+from swarm_harness import Peer, wait_until
+
+pytestmark = pytest.mark.slow
+
+LOCAL = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def strategy_args(run_id: str, target_batch_size: int, **overrides):
+    args = dict(run_id=run_id, target_batch_size=target_batch_size, host_maddrs=LOCAL, matchmaking_time=1.5,
+                averaging_timeout=15.0, load_state_timeout=20.0, metrics_interval=1.0,
+                tracker_opts={"max_refresh_period": 1.0, "min_refresh_period": 0.2, "default_refresh_period": 0.5})
+    args.update(overrides)
+    return args
+
+
+def assert_close_params(a, b, atol):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=atol), (name, (a[name] - b[name]).abs().max())
+
+
+@pytest.fixture
+def peers():
+    started = []
+    yield started
+    for peer in started:
+        peer.kill()
+
+
+def test_two_peers_train_together_with_different_batch_sizes(tmp_path, peers):
+    """Two peers (batch 4 and 8) pass several global epochs together, hold the same parameters after each
+    averaging (fp16 wire compression), step the LR once per global epoch and publish metrics to the DHT."""
+    recorder = {"stop_at_epoch": 3, "max_seconds": 90, "barrier_dir": str(tmp_path / "barrier"), "barrier_count": 2}
+    common = dict(model={"step_delay": 0.02}, recorder=recorder)
+    first = Peer(tmp_path, "first", strategy_args("two", 96, compression="fp16"), data={"batch_size": 4}, **common)
+    peers.append(first)
+    join = first.join_peers()
+    second = Peer(tmp_path, "second", strategy_args("two", 96, compression="fp16", initial_peers=join),
+                  data={"batch_size": 8, "offset": 50_000}, **common)
+    peers.append(second)
+    for peer in (first, second):
+        peer.wait(timeout=150)
+
+    for peer in (first, second):
+        events = peer.events()
+        assert peer.max_epoch() >= 3, events
+        # the schedule follows global epochs, not the ~dozens of local steps
+        for event in events:
+            if event["kind"] != "end":
+                assert math.isclose(event["lr"], 0.1 * 0.5 ** event["epoch"], rel_tol=1e-6), event
+        assert max(event.get("peers", 0) for event in events) == 2
+        end = events[-1]
+        assert end["kind"] == "end" and end["metrics_steps"] and len(end["metrics_steps"]) == 2, end
+    for epoch in (1, 2, 3):
+        assert_close_params(first.params(epoch), second.params(epoch), atol=2e-3)
+    # parameters really moved away from the initialisation
+    assert not torch.allclose(first.params(0)["net.0.weight"], first.params(3)["net.0.weight"])
+
+
+@pytest.mark.parametrize("shares", [(8, 8), (4, 12)], ids=["halves", "uneven"])
+def test_swarm_step_equals_one_peer_on_all_samples(tmp_path, peers, shares):
+    """No compression, deterministic data: peers contributing `shares` samples reach, after one global step,
+    the parameters of a single SGD step on all samples together (so samples, not peers, are weighted)."""
+    lr, total = 0.1, sum(shares)
+    first_share, second_share = shares
+    recorder = {"stop_at_epoch": 1, "max_seconds": 60, "barrier_dir": str(tmp_path / "barrier"), "barrier_count": 2}
+    args = dict(compression="none", matchmaking_time=2.0)
+    first = Peer(tmp_path, "first", strategy_args("eq", total, **args), model={"share_samples": first_share},
+                 data={"batch_size": first_share}, recorder=recorder)
+    peers.append(first)
+    second = Peer(tmp_path, "second", strategy_args("eq", total, initial_peers=first.join_peers(), **args),
+                  model={"share_samples": second_share}, data={"batch_size": second_share, "offset": first_share},
+                  recorder=recorder)
+    peers.append(second)
+    for peer in (first, second):
+        peer.wait(timeout=120)
+
+    torch.manual_seed(0)
+    reference = TinyRegression(seed=0)
+    x, y = make_regression_data(total, in_dim=8, seed=0)
+    loss = torch.nn.functional.mse_loss(reference.net(x), y)  # mean over all samples of both peers
+    loss.backward()
+    with torch.no_grad():
+        for param in reference.parameters():
+            param -= lr * param.grad
+    expected = {k: v.detach() for k, v in reference.state_dict().items()}
+    assert_close_params(first.params(0), {k: v.detach() for k, v in TinyRegression(seed=0).state_dict().items()}, 0)
+    for peer in (first, second):
+        assert_close_params(peer.params(1), expected, atol=1e-5)
+
+
+def test_late_joiner_and_killed_peer(tmp_path, peers):
+    """A peer joining at global epoch >= 2 starts from the swarm's parameters and epoch; after SIGKILL of one of
+    the three peers, the other two keep passing global epochs with finite parameters."""
+    recorder = {"stop_at_epoch": 1000, "max_seconds": 100}
+    model = {"step_delay": 0.02}
+    first = Peer(tmp_path, "first", strategy_args("late", 24, compression="none", averaging_timeout=6.0),
+                 model=model, data={"batch_size": 4}, recorder=recorder)
+    peers.append(first)
+    join = first.join_peers()
+    args = strategy_args("late", 24, compression="none", averaging_timeout=6.0, initial_peers=join)
+    doomed = Peer(tmp_path, "doomed", args, model=model, data={"batch_size": 4, "offset": 30_000}, recorder=recorder)
+    peers.append(doomed)
+    wait_until(lambda: first.max_epoch() >= 2, 90, [first, doomed], "the swarm to reach global epoch 2")
+
+    late = Peer(tmp_path, "late", args, model=dict(model, seed=123), data={"batch_size": 4, "offset": 60_000},
+                recorder=recorder)
+    peers.append(late)
+    wait_until(lambda: late.max_epoch() >= 0, 90, [first, doomed, late], "the late peer to start training")
+    start = late.events()[0]
+    assert start["kind"] == "start" and start["epoch"] >= 2, start
+    first_events = {event["epoch"] for event in first.events()}
+    assert start["epoch"] in first_events
+    # the late peer was initialised with another seed: it must have taken the swarm's parameters
+    assert_close_params(late.params(start["epoch"]), first.params(start["epoch"]), atol=1e-4)
+
+    doomed.kill()
+    killed_at = max(first.max_epoch(), late.max_epoch())
+    wait_until(lambda: min(first.max_epoch(), late.max_epoch()) >= killed_at + 2, 60, [first, late],
+               "the two survivors to pass two more global epochs")
+    for peer in (first, late):
+        params = peer.params(peer.max_epoch())
+        assert all(torch.isfinite(tensor).all() for tensor in params.values())
+
+
+def test_resume_restores_global_epoch_and_schedule(tmp_path, peers):
+    """A single peer stops at global epoch 3 with a Lightning checkpoint; a new run resumed from it starts at
+    global epoch 3 with the LR of epoch 3 and keeps stepping the schedule per global epoch."""
+    ckpt = tmp_path / "swarm.ckpt"
+    strategy = strategy_args("resume", 16, compression="none")
+    first = Peer(tmp_path, "before", strategy, model={}, data={"batch_size": 4},
+                 recorder={"stop_at_epoch": 3, "checkpoint_at_stop": str(ckpt)})
+    peers.append(first)
+    first.wait(timeout=90)
+    assert ckpt.exists()
+
+    resumed = Peer(tmp_path, "after", strategy, model={}, data={"batch_size": 4}, recorder={"stop_at_epoch": 5},
+                   extra_args=["--ckpt_path", str(ckpt)])
+    peers.append(resumed)
+    resumed.wait(timeout=90)
+    events = resumed.events()
+    assert events[0]["kind"] == "start" and events[0]["epoch"] == 3, events[0]
+    assert math.isclose(events[0]["lr"], 0.1 * 0.5**3, rel_tol=1e-6)
+    assert_close_params(resumed.params(3), first.params(3), atol=1e-6)
+    assert resumed.max_epoch() == 5
+    assert math.isclose([e for e in events if e["epoch"] == 5][0]["lr"], 0.1 * 0.5**5, rel_tol=1e-6)
