@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from dataclasses import replace
 
 from lightning_swarm.memory.estimate import (
     ATTENTIONS,
@@ -77,8 +79,9 @@ def describe_setup(setup: TrainingSetup, source: ModelSource, sharing: bool) -> 
         "offloaded to CPU" if setup.offload else "on the device",
         f"batch {setup.batch_size}" + (f" x {seq_len} tokens" if seq_len else ""),
         "reversible layers" if setup.reversible else ("gradient checkpointing" if setup.checkpointing else "no checkpointing"),
-        "shared weights" if sharing else "no parameter sharing",
     ]
+    if source.shared != source.unshared:
+        parts.append("shared weights counted once" if sharing else "no parameter sharing")
     if shape is not None:
         parts.append(f"{setup.attention or shape.attention} attention")
     if setup.device == "cpu":
@@ -135,11 +138,15 @@ def run(args: argparse.Namespace) -> dict:
         bare_shape = ModelShape(dim=args.dim, depth=args.depth, heads=args.heads, seq_len=args.seq_len,
                                 vocab_size=args.vocab_size or 0, ff_dim=args.ff_dim)
     source = resolve(args.model, args.model_class, unique_layers, bare_shape)
+    if source.shape is None and bare_shape is not None:  # a config whose model has no memory_profile()
+        source = replace(source, shape=bare_shape)
     source = source_with_shape(source, dim=args.dim, depth=args.depth, heads=args.heads,
                                vocab_size=args.vocab_size, ff_dim=args.ff_dim)
-    sharing = args.sharing if args.sharing is not None else args.model.lower() not in PUBLISHED_MODELS
     if args.sharing is False and args.unique_layers is not None:
         raise ValueError("--unique-layers needs --sharing")
+    sharing = args.sharing
+    if sharing is None:  # published models are unshared unless --unique-layers says otherwise
+        sharing = args.unique_layers is not None or args.model.lower() not in PUBLISHED_MODELS
     params = source.shared if sharing else source.unshared
     shape = source.shape
     precisions = PRECISIONS if args.precision == "all" else (args.precision,)
@@ -183,7 +190,8 @@ def render(report: dict) -> str:
         lines.append(format_table(result))
     if report["estimates"] and not report["estimates"][0].details["activations_known"]:
         lines.append("")
-        lines.append("activations not estimated: give the shape with --dim --depth --heads --seq-len [--vocab-size]")
+        lines.append("activations not estimated: give the shape with --dim --depth --heads --seq-len [--vocab-size], "
+                     "or give the config's model a memory_profile() method")
     return "\n".join(lines)
 
 
@@ -192,6 +200,7 @@ class _SourceView:
 
     def __init__(self, report: dict):
         self.shape = ModelShape(**report["shape"]) if report["shape"] else None
+        self.shared, self.unshared = report["parameters_shared"], report["parameters_unshared"]
 
 
 def to_json(report: dict) -> str:
@@ -208,7 +217,11 @@ def main(argv: list[str] | None = None) -> int:
         report = run(args)
     except ValueError as err:
         parser.error(str(err))
-    print(to_json(report) if args.json else render(report))
+    try:
+        print(to_json(report) if args.json else render(report))
+        sys.stdout.flush()
+    except BrokenPipeError:  # piped into `head`: stop quietly (Python docs' recipe)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

@@ -125,7 +125,7 @@ def raw_count(numel: int, shape: ModelShape | None = None) -> ModelSource:
         raise ValueError(f"a parameter count must be positive, got {numel}")
     largest = shape.largest_tensor_numel() if shape is not None else None
     inventory = ParameterInventory.approximate(numel, min(largest, numel) if largest else None)
-    return ModelSource(f"{numel:,} parameters", inventory, inventory, shape, "a bare parameter count")
+    return ModelSource("bare parameter count", inventory, inventory, shape, "a bare parameter count")
 
 
 def count_module(module: nn.Module) -> tuple[ParameterInventory, ParameterInventory]:

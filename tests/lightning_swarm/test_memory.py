@@ -314,6 +314,10 @@ def test_cli_json_and_table(capsys):
         assert f"  {row} " in table
     assert "GiB" in table
 
+    assert main(["dalle-12b", "--unique-layers", "4", "--precision", "fp32", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["sharing"] and report["parameters"] == named_model("dalle-12b", unique_layers=4).shared.numel
+
     with pytest.raises(SystemExit) as exit_info:
         main(["not-a-model"])
     assert exit_info.value.code == 2
