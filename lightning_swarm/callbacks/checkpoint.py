@@ -213,8 +213,15 @@ class SwarmCheckpoint(Callback):
             for sched, state in zip(schedulers, self._resumed.scheduler_states):
                 sched.load_state_dict(state)
             self._resumed = None  # free the tensors
-        self._last_saved_epoch = self.global_epoch(trainer)
+        self._last_saved_epoch = None  # set at the first batch: a swarm strategy may still load the state
         self._last_save_time = time.monotonic()
+
+    def on_train_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
+    ) -> None:
+        if self._last_saved_epoch is None:
+            # the epoch we start from (after joining the swarm) is already saved elsewhere: count from it
+            self._last_saved_epoch = self.global_epoch(trainer)
 
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
@@ -239,9 +246,9 @@ class SwarmCheckpoint(Callback):
 
     def _should_save(self, trainer: "pl.Trainer") -> bool:
         epoch = self.global_epoch(trainer)
-        if self._last_saved_epoch is not None and epoch == self._last_saved_epoch:
+        if epoch == self._last_saved_epoch:
             return False  # nothing changed since the last save
-        if self.every_n_epochs is not None and epoch - (self._last_saved_epoch or 0) >= self.every_n_epochs:
+        if self.every_n_epochs is not None and epoch - self._last_saved_epoch >= self.every_n_epochs:
             return True
         if self.every_n_minutes is not None:
             return time.monotonic() - self._last_save_time >= 60 * self.every_n_minutes

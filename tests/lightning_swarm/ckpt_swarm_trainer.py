@@ -4,6 +4,7 @@ Writes into --out_dir:
   published.jsonl   every metrics record this peer publishes to the DHT (what the monitor should see)
   start.json        the global epoch before the first step; start.safetensors: the weights then
   progress.json     the latest global epoch, rewritten as training goes
+With --ckpt_dir it also checkpoints every global epoch with SwarmCheckpoint.
 Starts once --peers_file exists; stops when --stop_file exists or after --max_steps.
 """
 
@@ -18,6 +19,7 @@ from safetensors.torch import save_model
 
 from ckpt_tiny_module import RandomRegressionData, TinyRegressor
 from lightning_swarm import metrics as swarm_metrics
+from lightning_swarm.callbacks.checkpoint import SwarmCheckpoint
 from lightning_swarm.strategy import HivemindStrategy
 
 
@@ -30,6 +32,7 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max_steps", type=int, default=100000)
     parser.add_argument("--step_delay", type=float, default=0.05)
+    parser.add_argument("--ckpt_dir", default=None, help="also run SwarmCheckpoint (every global epoch) here")
     args = parser.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
     torch.set_num_threads(1)
@@ -89,7 +92,7 @@ def main():
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[Recorder()],
+        callbacks=[Recorder()] + ([SwarmCheckpoint(args.ckpt_dir, every_n_epochs=1, keep_last=2)] if args.ckpt_dir else []),
     )
     trainer.fit(TinyRegressor(), RandomRegressionData(batch_size=4, seed=args.seed))
 

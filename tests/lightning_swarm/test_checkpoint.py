@@ -180,14 +180,18 @@ def test_uploader_gives_up_after_max_attempts_and_keeps_local(tmp_path):
     uploader.close()
 
 
+def plain_model():
+    """A plain torch model (the subprocess below then needs no Lightning import, which is slow)."""
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))
+
+
 KILL_MIDWAY_SCRIPT = r"""
 import sys, time, torch
-from ckpt_tiny_module import TinyRegressor
 from lightning_swarm.callbacks import checkpoint_io
 
 root = sys.argv[1]
 torch.manual_seed(0)
-module = TinyRegressor()
+module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))
 checkpoint_io.save_checkpoint(root, module, global_epoch=1, loss=1.0)
 with torch.no_grad():
     for p in module.parameters():
@@ -225,8 +229,8 @@ def test_save_killed_midway_leaves_previous_checkpoint(tmp_path):
     checkpoint = read_checkpoint(root)
     assert checkpoint.meta["global_epoch"] == 1 and checkpoint.meta["loss"] == 1.0
     torch.manual_seed(0)
-    expected = TinyRegressor()  # same seed as the first save in the subprocess
-    loaded = TinyRegressor()
+    expected = plain_model()  # same seed and layers as the first save in the subprocess
+    loaded = plain_model()
     checkpoint.load_into(loaded)
     assert_same_state(loaded.state_dict(), expected.state_dict())
     # the next save cleans up the leftovers

@@ -170,10 +170,10 @@ def test_monitor_with_two_trainers_checkpoint_and_revert(tmp_path):
                      "--upload_backoff_seconds", "0.5", "--max_runtime", "400", *extra],
                     str(tmp_path / log_name), env)
 
-    def trainer(name, seed, peers_file):
+    def trainer(name, seed, peers_file, *extra):
         return Proc([sys.executable, os.path.join(HERE, "ckpt_swarm_trainer.py"), "--run_id", run_id,
                      "--peers_file", peers_file, "--out_dir", str(tmp_path / name),
-                     "--stop_file", str(tmp_path / f"stop_{name}"), "--seed", str(seed)],
+                     "--stop_file", str(tmp_path / f"stop_{name}"), "--seed", str(seed), *extra],
                     str(tmp_path / f"{name}.log"), env)
 
     procs = []
@@ -233,7 +233,7 @@ def test_monitor_with_two_trainers_checkpoint_and_revert(tmp_path):
         peers_file_c = str(tmp_path / "peers_c.txt")
         procs.append(monitor("monitor2.log", "--log_dir", "logs2", "--checkpoint_dir", "ckpt2",
                              "--revert_to", revert_url))
-        procs.append(trainer("c", 3, peers_file_c))
+        procs.append(trainer("c", 3, peers_file_c, "--ckpt_dir", str(tmp_path / "c_ckpt")))
         reverted_epoch = int(procs[0].wait_line("[lightning_swarm.monitor] REVERTED", 150).split()[-1])
         assert reverted_epoch >= uploaded.meta["global_epoch"]
         write_atomically(peers_file_c, address)
@@ -248,6 +248,14 @@ def test_monitor_with_two_trainers_checkpoint_and_revert(tmp_path):
             assert torch.equal(started_with[key], saved[key]), key
         wait_for(lambda: (read_jsonl(str(tmp_path / "c" / "progress.json")) or [{}])[0].get("global_epoch", 0)
                  >= reverted_epoch + 2, 90, "trainer c to train two epochs past the revert")
+
+        # SwarmCheckpoint inside the swarm trainer: named by the global epoch, with the run's figures
+        own = wait_for(lambda: os.path.exists(tmp_path / "c_ckpt" / "latest") and read_checkpoint(
+            str(tmp_path / "c_ckpt")), 30, "trainer c's own checkpoint")
+        assert own.meta["run_id"] == run_id and own.meta["global_epoch"] > reverted_epoch
+        assert own.meta["samples_seen"] == own.meta["global_epoch"] * 16
+        assert own.optimizer_states[0]["state"]["local_epoch"] == own.meta["global_epoch"]
+        own.load_into(TinyRegressor())
     finally:
         for name in "abc":
             (tmp_path / f"stop_{name}").touch()
