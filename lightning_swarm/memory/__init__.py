@@ -3,7 +3,8 @@
 ``python -m lightning_swarm.memory MODEL`` (or ``lightning-swarm-memory MODEL``) prints, for a published
 model, a bare parameter count or a LightningCLI config, the bytes of weights, gradients, optimizer state
 and activations, and the totals of the backward pass and the optimizer step, on the GPU and the CPU.
-The formulas live in :mod:`lightning_swarm.memory.estimate`; the model sources in
+The formulas live in :mod:`lightning_swarm.memory.estimate` (their inputs in
+:mod:`lightning_swarm.memory.inputs`); the model sources in
 :mod:`lightning_swarm.memory.models`; the command line in :mod:`lightning_swarm.memory.cli`.
 
 A LightningModule describes its shape to the calculator with a ``memory_profile()`` method (on the module
@@ -15,14 +16,8 @@ or any submodule) returning a dict of :class:`ModelShape` fields, e.g.::
 """
 
 from lightning_swarm.memory.cli import main
-from lightning_swarm.memory.estimate import (
-    DeviceBytes,
-    MemoryEstimate,
-    ModelShape,
-    ParameterInventory,
-    TrainingSetup,
-    estimate,
-)
+from lightning_swarm.memory.estimate import DeviceBytes, MemoryEstimate, estimate
+from lightning_swarm.memory.inputs import ModelShape, ParameterInventory, TrainingSetup
 from lightning_swarm.memory.models import ModelSource, count_module, from_config, named_model, raw_count, resolve
 
 __all__ = [

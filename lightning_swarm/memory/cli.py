@@ -16,16 +16,8 @@ import os
 import sys
 from dataclasses import replace
 
-from lightning_swarm.memory.estimate import (
-    ATTENTIONS,
-    OPTIMIZERS,
-    PRECISIONS,
-    DeviceBytes,
-    MemoryEstimate,
-    ModelShape,
-    TrainingSetup,
-    estimate,
-)
+from lightning_swarm.memory.estimate import MemoryEstimate, estimate
+from lightning_swarm.memory.inputs import ATTENTIONS, OPTIMIZERS, PRECISIONS, ModelShape, TrainingSetup
 from lightning_swarm.memory.models import PUBLISHED_MODELS, ModelSource, describe_count, resolve, source_with_shape
 
 ROWS = (

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lightning_swarm.memory.estimate import ModelShape, ParameterInventory
+from lightning_swarm.memory.inputs import ModelShape, ParameterInventory
 
 
 @dataclass(frozen=True)
