@@ -1,0 +1,158 @@
+"""The DALL-E LightningModule: the model of `model.py`, its loss, optimizer and LR schedule."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.cli import OptimizerCallable
+
+from recipes.dalle.model import DALLE, DALLEConfig
+
+
+def default_optimizer(params) -> torch.optim.Optimizer:
+    """AdamW as in small-scale runs; swarm configs use `lightning_swarm.optim.LAMB8bit` instead."""
+    return torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.96), weight_decay=0.01)
+
+
+class DALLEModule(L.LightningModule):
+    """Trains a `DALLE` on batches `{"text": LongTensor[B, T], "image": LongTensor[B, N]}`.
+
+    Args:
+        config: the model's shape (see `DALLEConfig`).
+        image_codec: the codec of the image codes, "palette" (embedded shapes data) or "vqgan";
+            stored with the checkpoint so inference can decode samples (see `codec.load_image_codec`).
+        vqgan_config: taming YAML config of the VQGAN (path or hf://OWNER/REPO/FILE), with "vqgan".
+        vqgan_checkpoint: taming checkpoint of the VQGAN (path or hf://OWNER/REPO/FILE), with "vqgan".
+        optimizer: builds the optimizer from the parameters (LightningCLI: `optimizer: {class_path: ...}`).
+        warmup_steps: optimizer steps of linear LR warm-up. Under HivemindStrategy a step is a global epoch.
+        decay_steps: optimizer steps of cosine decay after warm-up (None: constant LR after warm-up).
+        min_lr_ratio: the LR at the end of the decay, as a fraction of the peak LR.
+    """
+
+    def __init__(
+        self,
+        config: DALLEConfig,
+        image_codec: str = "palette",
+        vqgan_config: str | None = None,
+        vqgan_checkpoint: str | None = None,
+        optimizer: OptimizerCallable = default_optimizer,
+        warmup_steps: int = 100,
+        decay_steps: int | None = None,
+        min_lr_ratio: float = 0.1,
+    ):
+        super().__init__()
+        if image_codec not in ("palette", "vqgan"):
+            raise ValueError(f"image_codec must be 'palette' or 'vqgan', got {image_codec!r}")
+        if warmup_steps < 0 or (decay_steps is not None and decay_steps <= 0):
+            raise ValueError("warmup_steps must be >= 0 and decay_steps > 0 (or None)")
+        if not 0.0 <= min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must lie in [0, 1], got {min_lr_ratio}")
+        # Plain types only, so checkpoints load with torch.load(weights_only=True).
+        self.save_hyperparameters({
+            "config": asdict(config), "image_codec": image_codec, "vqgan_config": vqgan_config,
+            "vqgan_checkpoint": vqgan_checkpoint, "warmup_steps": warmup_steps, "decay_steps": decay_steps,
+            "min_lr_ratio": min_lr_ratio,
+        })
+        self.config = config
+        self.model = DALLE(config)
+        self.optimizer_factory = optimizer
+        self.initial_val_image_loss: float | None = None  # measured by the sanity check, before any step
+        self._val_image_losses: list[torch.Tensor] = []
+
+    @classmethod
+    def config_from_hparams(cls, hparams: dict[str, Any]) -> DALLEConfig:
+        """The `DALLEConfig` stored in a checkpoint's hyper-parameters."""
+        fields = dict(hparams["config"])
+        for key in ("attn_types", "shared_layer_ids"):
+            if fields.get(key) is not None:
+                fields[key] = tuple(fields[key])
+        return DALLEConfig(**fields)
+
+    @classmethod
+    def from_checkpoint(cls, path: str, map_location: str | torch.device = "cpu") -> "DALLEModule":
+        """Load a Lightning checkpoint of this module without unpickling anything but tensors and plain types."""
+        checkpoint = torch.load(path, map_location=map_location, weights_only=True)
+        hparams = checkpoint["hyper_parameters"]
+        module = cls(cls.config_from_hparams(hparams), image_codec=hparams["image_codec"],
+                     vqgan_config=hparams.get("vqgan_config"), vqgan_checkpoint=hparams.get("vqgan_checkpoint"))
+        module.load_state_dict(checkpoint["state_dict"])
+        return module.eval()
+
+    def image_codec(self):
+        """The codec that decodes this model's image codes into pictures."""
+        from recipes.dalle.codec import load_image_codec
+
+        return load_image_codec(self.hparams["image_codec"], self.hparams["vqgan_config"], self.hparams["vqgan_checkpoint"])
+
+    def memory_profile(self) -> dict[str, int]:
+        """Transformer shape for `lightning_swarm.memory` (activation estimates)."""
+        c = self.config
+        return {"dim": c.dim, "depth": c.depth, "heads": c.heads, "dim_head": c.dim_head,
+                "seq_len": 1 + c.text_seq_len + c.image_grid_size ** 2, "ff_mult": c.ff_mult,
+                "vocab_size": c.image_vocab_size, "reversible": int(c.reversible)}
+
+    def forward(self, text: torch.Tensor, image: torch.Tensor):
+        return self.model(text, image)
+
+    def _check_batch(self, batch: dict[str, torch.Tensor]) -> None:
+        c = self.config
+        text, image = batch["text"], batch["image"]
+        if text.shape[1] != c.text_seq_len or image.shape[1] != c.image_grid_size ** 2:
+            raise ValueError(
+                f"batch has text length {text.shape[1]} and {image.shape[1]} image codes, but the model expects "
+                f"text_seq_len={c.text_seq_len} and image_grid_size**2={c.image_grid_size ** 2}: make "
+                f"data.text_seq_len / data.image_grid_size match model.config")
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self._check_batch(batch)
+        losses = self.model.compute_loss(batch["text"], batch["image"])
+        batch_size = batch["text"].shape[0]
+        self.log("train/loss", losses["loss"], prog_bar=True, batch_size=batch_size)
+        self.log("train/text_loss", losses["text_loss"], batch_size=batch_size)
+        self.log("train/image_loss", losses["image_loss"], prog_bar=True, batch_size=batch_size)
+        return losses["loss"]
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._check_batch(batch)
+        losses = self.model.compute_loss(batch["text"], batch["image"])
+        batch_size = batch["text"].shape[0]
+        self._val_image_losses.append(losses["image_loss"].detach() * batch_size)
+        self._val_image_losses.append(torch.tensor(float(batch_size)))
+        self.log("val/loss", losses["loss"], batch_size=batch_size)
+        self.log("val/text_loss", losses["text_loss"], batch_size=batch_size)
+        self.log("val/image_loss", losses["image_loss"], prog_bar=True, batch_size=batch_size)
+
+    def on_validation_epoch_end(self) -> None:
+        if not self._val_image_losses:
+            return
+        total = torch.stack(self._val_image_losses[0::2]).sum().item()
+        count = torch.stack(self._val_image_losses[1::2]).sum().item()
+        self._val_image_losses.clear()
+        mean = total / count
+        if self.trainer.sanity_checking and self.initial_val_image_loss is None and self.global_step == 0:
+            # Lightning does not log during the sanity check; keep it as the step-0 reference instead.
+            self.initial_val_image_loss = mean
+            self.print(f"val/image_loss at step 0: {mean:.4f}")
+        elif self.initial_val_image_loss is not None:
+            self.log("val/image_loss_ratio", mean / self.initial_val_image_loss)
+
+    def configure_optimizers(self):
+        decay_params = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
+        other_params = [p for n, p in self.model.named_parameters() if p.dim() < 2]
+        optimizer = self.optimizer_factory([{"params": decay_params}, {"params": other_params, "weight_decay": 0.0}])
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_multiplier)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def lr_multiplier(self, step: int) -> float:
+        """Linear warm-up to the peak LR, then cosine decay to `min_lr_ratio` over `decay_steps`."""
+        warmup, decay, floor = self.hparams["warmup_steps"], self.hparams["decay_steps"], self.hparams["min_lr_ratio"]
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if decay is None:
+            return 1.0
+        progress = min(1.0, (step - warmup) / decay)
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
