@@ -49,8 +49,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--identity_path", default="monitor.id",
                    help="private key file fixing the peer id (created if missing)")
     p.add_argument("--log_dir", default="monitor_logs", help="metrics, contribution table, snapshots")
-    p.add_argument("--loggers", default="csv", help="comma-separated: csv, tensorboard, wandb")
-    p.add_argument("--wandb_project", default=None, help="W&B project (with --loggers ...,wandb)")
+    p.add_argument("--loggers", default="auto",
+                   help="comma-separated: csv, tensorboard, wandb; auto = csv + tensorboard if installed "
+                        "+ wandb if --wandb_project is given")
+    p.add_argument("--wandb_project", default=None, help="W&B project to log to")
     p.add_argument("--refresh_period", type=float, default=30.0, help="seconds between two metrics reads")
     p.add_argument("--save_every_epochs", type=int, default=10, help="global epochs between checkpoints")
     p.add_argument("--checkpoint_dir", default="monitor_checkpoints", help="local checkpoint directory")

@@ -17,14 +17,25 @@ from lightning_swarm.monitor.peer import MonitorPeer
 
 logger = logging.getLogger(__name__)
 
-LOGGER_CHOICES = ("csv", "tensorboard", "wandb")
+LOGGER_CHOICES = ("auto", "csv", "tensorboard", "wandb")
+
+
+def tensorboard_available() -> bool:
+    import importlib.util
+
+    return any(importlib.util.find_spec(name) is not None for name in ("tensorboard", "tensorboardX"))
 
 
 def build_loggers(names: List[str], log_dir: str, run_id: str, wandb_project: Optional[str] = None) -> List[Logger]:
-    """Lightning loggers by name: ``csv`` and ``tensorboard`` write offline under ``log_dir``; ``wandb`` needs
-    the wandb package and a project (``wandb_project``)."""
+    """Lightning loggers by name. ``csv`` and ``tensorboard`` write offline under ``log_dir``; ``wandb`` needs
+    the wandb package and ``wandb_project``. ``auto`` = csv, plus tensorboard if it is installed, plus wandb if
+    a project is given."""
+    if "auto" in names:
+        names = [n for n in names if n != "auto"] + ["csv"]
+        names += ["tensorboard"] if tensorboard_available() else []
+        names += ["wandb"] if wandb_project else []
     loggers: List[Logger] = []
-    for name in names:
+    for name in dict.fromkeys(names):  # unique, in order
         if name == "csv":
             loggers.append(CSVLogger(log_dir, name="monitor", version=run_id))
         elif name == "tensorboard":

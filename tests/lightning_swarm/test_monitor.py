@@ -78,6 +78,23 @@ def test_config_builds_the_trainers_module(tmp_path):
     assert strategy_settings({"trainer": {}}) == {}
 
 
+def test_cli_needs_run_settings_and_builds_loggers(tmp_path):
+    from lightning_swarm.monitor.__main__ import main
+    from lightning_swarm.monitor.runner import build_loggers, tensorboard_available
+
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump({"model": {"class_path": "ckpt_tiny_module.TinyRegressor"}}))
+    with pytest.raises(ValueError, match="run_id and target_batch_size"):
+        main(["--config", str(path)])
+    loggers = build_loggers(["auto"], str(tmp_path), "r")
+    expected = ["CSVLogger"] + (["TensorBoardLogger"] if tensorboard_available() else [])
+    assert [type(logger).__name__ for logger in loggers] == expected
+    with pytest.raises(ValueError, match="wandb_project"):
+        build_loggers(["wandb"], str(tmp_path), "r")
+    with pytest.raises(ValueError, match="Unknown logger"):
+        build_loggers(["mlflowish"], str(tmp_path), "r")
+
+
 # --------------------------------------------------------------------------------------------- real swarm
 
 
