@@ -1,6 +1,6 @@
 """Training memory formulas: weights, gradients, optimizer state, activations, per stage and per device.
 
-Everything here is plain arithmetic on three descriptions:
+Everything here is plain arithmetic on three descriptions (defined in :mod:`lightning_swarm.memory.inputs`):
 
 - :class:`ParameterInventory` — how many parameter elements the optimizer sees and how they are split
   into tensors (8-bit optimizers keep small tensors in 32 bits and add one fp32 scale per block).
