@@ -64,111 +64,139 @@ def _dense_mask(attn_type, num_text, grid_size, conv_kernel_size):
 
 
 class GroupedImageAttentionLayout:
-    """Index tables that let image queries attend in small groups instead of one (T+N)^2 masked attention.
+    """How image queries attend in small groups instead of one (T+N)^2 masked attention.
 
-    Image queries are split into ``num_groups`` groups of ``group_size`` cells (``query_index``); each group
-    attends to the whole text part plus its gathered image keys (``image_key_index``), under ``mask``
-    ``[num_groups, group_size, num_text + keys_per_group]``. Built on the CPU (also when the model is
-    created on the meta device); ``to(device)`` returns a copy on another device.
+    Image queries are split into ``num_groups`` groups of ``group_size`` cells; each group attends to the
+    whole text part plus ``keys_per_group`` image keys of its own, under ``mask``
+    ``[num_groups, group_size, num_text + keys_per_group]``:
+
+    - ``axial_row``: a group is a grid row; its keys are the same row.
+    - ``axial_col``: a group is a grid column; its keys are the same column.
+    - ``conv_like``: a group is a grid row; its keys are that row and the ``k // 2`` rows above it (rows above
+      the grid are clamped to row 0 and masked out).
+    - ``full``: one group of every cell; its keys are every cell.
+
+    Built on the CPU (also when the model is created on the meta device); ``to(device)`` copies it.
     """
 
     def __init__(self, attn_type: str, num_text: int, grid_size: int, conv_kernel_size: int = 5):
+        if attn_type not in ATTENTION_TYPES:
+            raise ValueError(f"unknown attention type {attn_type!r}; expected one of {ATTENTION_TYPES}")
+        self.attn_type, self.grid_size = attn_type, grid_size
         with torch.device("cpu"):
             self._build(attn_type, num_text, grid_size, conv_kernel_size)
+        self._mask_per_heads: dict[int, torch.Tensor] = {}
 
     def _build(self, attn_type, num_text, grid_size, conv_kernel_size):
         g = grid_size
         cells = torch.arange(g * g).view(g, g)
+        rows = wanted_rows = None
         if attn_type == "axial_row":
-            query_index, key_index = cells, cells  # group = a row; keys = the same row
+            query_index, key_index = cells, cells
         elif attn_type == "axial_col":
-            query_index, key_index = cells.t(), cells.t()  # group = a column; keys = the same column
+            query_index, key_index = cells.t(), cells.t()
         elif attn_type == "conv_like":
-            # group = a row; keys = that row and the `half` rows above it (clamped at the top, masked there)
             half = conv_kernel_size // 2
-            offsets = torch.arange(-half, 1)
-            wanted_rows = torch.arange(g)[:, None] + offsets[None, :]  # [g, half + 1]
+            wanted_rows = torch.arange(g)[:, None] + torch.arange(-half, 1)[None, :]  # [g, half + 1]
             rows = wanted_rows.clamp(min=0)
             query_index, key_index = cells, cells[rows].reshape(g, (half + 1) * g)
-        elif attn_type == "full":
+        else:  # full
             query_index, key_index = cells.reshape(1, -1), cells.reshape(1, -1)
-        else:
-            raise ValueError(f"unknown attention type {attn_type!r}; expected one of {ATTENTION_TYPES}")
         reference = dense_mask(attn_type, num_text, grid_size, conv_kernel_size)[num_text:, num_text:]
         image_mask = reference[query_index[:, :, None], key_index[:, None, :]]
-        if attn_type == "conv_like":  # rows clamped at the top edge are duplicates: count each key once
-            not_clamped = (rows == wanted_rows).repeat_interleave(g, dim=1)  # [g, (half + 1) * g]
-            image_mask &= not_clamped[:, None, :]
+        if rows is not None:  # rows clamped at the top edge are duplicates: count each key once
+            image_mask &= (rows == wanted_rows).repeat_interleave(g, dim=1)[:, None, :]
         text_mask = torch.ones(*query_index.shape, num_text, dtype=torch.bool)
-        self.query_index = query_index.reshape(-1).contiguous()
-        self.inverse_query_index = self.query_index.argsort()
         self.image_key_index = key_index.reshape(-1).contiguous()
         self.mask = torch.cat([text_mask, image_mask], dim=-1)
         self.num_groups, self.group_size = query_index.shape
         self.keys_per_group = key_index.shape[1]
-        self.is_identity = attn_type != "axial_col"  # queries already in raster order
+        self.same_mask_for_all_groups = bool((self.mask == self.mask[:1]).all())
 
     def to(self, device) -> "GroupedImageAttentionLayout":
         moved = object.__new__(GroupedImageAttentionLayout)
         moved.__dict__.update({k: v.to(device) if torch.is_tensor(v) else v for k, v in self.__dict__.items()})
+        moved._mask_per_heads = {}
         return moved
+
+    def sdpa_mask(self, heads: int) -> torch.Tensor:
+        """Mask for queries laid out as ``[B, heads * num_groups, group_size, d]`` (head-major)."""
+        if self.same_mask_for_all_groups:
+            return self.mask[0]
+        if heads not in self._mask_per_heads:
+            self._mask_per_heads[heads] = self.mask.repeat(heads, 1, 1)
+        return self._mask_per_heads[heads]
+
+    def group_queries(self, x: torch.Tensor) -> torch.Tensor:
+        """Image-part tensor ``[B, H, N, d]`` -> ``[B, H, num_groups, group_size, d]`` (a view where possible)."""
+        b, h, _, d = x.shape
+        grid = x.view(b, h, self.grid_size, self.grid_size, d)
+        if self.attn_type == "axial_col":
+            return grid.transpose(2, 3)
+        return x.view(b, h, self.num_groups, self.group_size, d)
+
+    def group_keys(self, x: torch.Tensor) -> torch.Tensor:
+        """Image-part keys or values ``[B, H, N, d]`` -> ``[B, H, num_groups, keys_per_group, d]``."""
+        if self.attn_type == "conv_like":
+            b, h, _, d = x.shape
+            return x.index_select(2, self.image_key_index).view(b, h, self.num_groups, self.keys_per_group, d)
+        return self.group_queries(x)
+
+    def ungroup(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, H, num_groups, group_size, d]`` -> image part ``[B, H, N, d]`` in raster order."""
+        if self.attn_type == "axial_col":
+            x = x.transpose(2, 3)
+        return x.reshape(x.shape[0], x.shape[1], -1, x.shape[-1])
 
 
 def grouped_attention(q, k, v, num_text: int, layout: GroupedImageAttentionLayout) -> torch.Tensor:
     """Sparse causal attention for a whole sequence. q, k, v: ``[B, H, num_text + N, d]`` -> same shape."""
     b, h, _, d = q.shape
+    groups, size, keys = layout.num_groups, layout.group_size, layout.keys_per_group
     qt, kt, vt = q[:, :, :num_text], k[:, :, :num_text], v[:, :, :num_text]
     out_text = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
-    qi, ki, vi = q[:, :, num_text:], k[:, :, num_text:], v[:, :, num_text:]
-    groups, size, keys = layout.num_groups, layout.group_size, layout.keys_per_group
-    if not layout.is_identity:
-        qi = qi.index_select(2, layout.query_index)
-    qi = qi.reshape(b, h, groups, size, d)
-    text_keys = kt[:, :, None].expand(b, h, groups, num_text, d)
-    text_values = vt[:, :, None].expand(b, h, groups, num_text, d)
-    image_keys = ki.index_select(2, layout.image_key_index).view(b, h, groups, keys, d)
-    image_values = vi.index_select(2, layout.image_key_index).view(b, h, groups, keys, d)
+
+    def with_text(text_part, image_part):  # [B, H * groups, num_text + keys, d]; text repeated per group
+        grouped = layout.group_keys(image_part)
+        return torch.cat([text_part[:, :, None].expand(b, h, groups, num_text, d), grouped], dim=3).view(
+            b, h * groups, num_text + keys, d)
+
+    # groups are folded into the batch-like head dim: 4-D inputs take SDPA's fused CPU kernel
+    queries = layout.group_queries(q[:, :, num_text:]).reshape(b, h * groups, size, d)
     out_image = F.scaled_dot_product_attention(
-        qi, torch.cat([text_keys, image_keys], dim=3), torch.cat([text_values, image_values], dim=3),
-        attn_mask=layout.mask,
-    ).reshape(b, h, groups * size, d)
-    if not layout.is_identity:
-        out_image = out_image.index_select(2, layout.inverse_query_index)
+        queries, with_text(kt, k[:, :, num_text:]), with_text(vt, v[:, :, num_text:]), attn_mask=layout.sdpa_mask(h)
+    )
+    out_image = layout.ungroup(out_image.view(b, h, groups, size, d))
     return torch.cat([out_text, out_image], dim=2)
 
 
-def rotary_tables(num_text: int, grid_size: int, dim_head: int, theta: float = 10000.0):
-    """cos/sin tables ``[num_text + G^2, dim_head]`` (on the CPU) for 3-band rotary embeddings on consecutive pairs.
+def rotary_tables(num_text: int, grid_size: int, dim_head: int, theta: float = 10000.0) -> torch.Tensor:
+    """Complex rotations ``[num_text + G^2, dim_head // 2]`` (on the CPU) for 3-band rotary embeddings.
 
-    ``dim_head`` is split into three equal even bands (the rest stays unrotated): band 1 rotates by the 1-D
-    sequence position (text tokens 0..T; every image token sits at T + 1, right after the text), band 2 by
-    the grid row and band 3 by the grid column (text tokens sit at row = column = -1, before the grid).
+    Consecutive pairs of a head's dims are rotated. ``dim_head`` is split into three equal even bands (the
+    rest stays unrotated): band 1 rotates by the 1-D sequence position (text tokens 0..T; every image token
+    sits at T + 1, right after the text), band 2 by the grid row and band 3 by the grid column (text tokens
+    sit at row = column = -1, just before the grid).
     """
     band = (dim_head // 3) // 2 * 2
     if band < 2:
         raise ValueError(f"rotary embeddings need dim_head >= 6 (got {dim_head}); raise dim_head or set rotary=False")
     with torch.device("cpu"):
-        return _rotary_tables(num_text, grid_size, dim_head, band, theta)
+        num_image = grid_size * grid_size
+        cell = torch.arange(num_image)
+        seq_pos = torch.cat([torch.arange(num_text), torch.full((num_image,), num_text)]).double()
+        row_pos = torch.cat([torch.full((num_text,), -1), cell // grid_size]).double()
+        col_pos = torch.cat([torch.full((num_text,), -1), cell % grid_size]).double()
+        inv_freq = theta ** (-torch.arange(0, band, 2).double() / band)  # [band / 2]
+        angles = torch.cat([pos[:, None] * inv_freq[None, :] for pos in (seq_pos, row_pos, col_pos)], dim=1)
+        angles = torch.cat([angles, torch.zeros(angles.shape[0], (dim_head - 3 * band) // 2)], dim=1)
+        return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
 
 
-def _rotary_tables(num_text, grid_size, dim_head, band, theta):
-    num_image = grid_size * grid_size
-    cell = torch.arange(num_image)
-    seq_pos = torch.cat([torch.arange(num_text), torch.full((num_image,), num_text)]).float()
-    row_pos = torch.cat([torch.full((num_text,), -1), cell // grid_size]).float()
-    col_pos = torch.cat([torch.full((num_text,), -1), cell % grid_size]).float()
-    inv_freq = theta ** (-torch.arange(0, band, 2).float() / band)  # [band / 2]
-    angles = torch.cat([pos[:, None] * inv_freq[None, :] for pos in (seq_pos, row_pos, col_pos)], dim=1)
-    angles = torch.cat([angles, torch.zeros(angles.shape[0], (dim_head - 3 * band) // 2)], dim=1)
-    angles = angles.repeat_interleave(2, dim=1)  # the same angle for both members of a pair
-    return angles.cos(), angles.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs (x0, x1) of the last dim by the tabulated angles; x ``[..., L, d]``."""
-    pairs = x.unflatten(-1, (-1, 2))
-    rotated = torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs of x's last dim: x ``[..., d]``, rotations complex, broadcastable to ``[..., d/2]``."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotations).flatten(-2).to(x.dtype)
 
 
 @dataclass
@@ -194,31 +222,35 @@ class Attention(nn.Module):
         self.to_qkv = nn.Linear(dim, 3 * heads * dim_head, bias=False)
         self.to_out = nn.Linear(heads * dim_head, dim)
 
-    def _project(self, x, cos, sin):
-        q, k, v = self.to_qkv(x).unflatten(-1, (3, self.heads, self.dim_head)).permute(2, 0, 3, 1, 4)
-        if cos is not None:
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    def _project(self, x, rotations):
+        """x ``[B, L, dim]`` -> q, k, v ``[B, H, L, d]``; rotary (``rotations [L, d/2]`` or None) on q and k."""
+        qkv = self.to_qkv(x).unflatten(-1, (3, self.heads, self.dim_head))  # [B, L, 3, H, d]
+        v = qkv[:, :, 2].transpose(1, 2)
+        if rotations is None:
+            q, k = qkv[:, :, 0].transpose(1, 2), qkv[:, :, 1].transpose(1, 2)
+        else:  # one complex multiply rotates q and k together
+            q, k = apply_rotary(qkv[:, :, :2], rotations[:, None, None]).permute(2, 0, 3, 1, 4)
         return q, k, v
 
     def _merge(self, out):
         return self.to_out(out.transpose(1, 2).flatten(2))
 
-    def forward(self, x, num_text: int, layout: GroupedImageAttentionLayout, cos=None, sin=None):
-        """Whole-sequence attention. x ``[B, num_text + N, dim]``; cos/sin rotary tables or None."""
-        q, k, v = self._project(x, cos, sin)
+    def forward(self, x, num_text: int, layout: GroupedImageAttentionLayout, rotations=None):
+        """Whole-sequence attention. x ``[B, num_text + N, dim]``; rotations: ``rotary_tables`` or None."""
+        q, k, v = self._project(x, rotations)
         return self._merge(grouped_attention(q, k, v, num_text, layout))
 
-    def forward_text(self, x, cos=None, sin=None, cache: LayerCache | None = None):
+    def forward_text(self, x, rotations=None, cache: LayerCache | None = None):
         """Causal attention over a text prefix ``[B, num_text, dim]``; stores its keys/values in ``cache``."""
-        q, k, v = self._project(x, cos, sin)
+        q, k, v = self._project(x, rotations)
         if cache is not None:
             cache.keys[:, :, : x.shape[1]] = k
             cache.values[:, :, : x.shape[1]] = v
         return self._merge(F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
-    def forward_step(self, x, position: int, mask_row, cache: LayerCache, cos=None, sin=None):
+    def forward_step(self, x, position: int, mask_row, cache: LayerCache, rotations=None):
         """One new token at ``position``: x ``[B, 1, dim]``; ``mask_row`` ``[position + 1]`` bool over keys."""
-        q, k, v = self._project(x, cos, sin)
+        q, k, v = self._project(x, rotations)
         cache.keys[:, :, position : position + 1] = k
         cache.values[:, :, position : position + 1] = v
         keys, values = cache.keys[:, :, : position + 1], cache.values[:, :, : position + 1]

@@ -45,11 +45,9 @@ class IncrementalDecodingMixin:
                   for _ in range(c.depth)]
         return DALLECache(layers=layers, length=0, batch_size=batch_size)
 
-    def _rotary_at(self, device, start: int, stop: int, dtype):
-        tables = self.tables(device)
-        if tables["cos"] is None:
-            return None, None
-        return tables["cos"][start:stop].to(dtype), tables["sin"][start:stop].to(dtype)
+    def _rotary_at(self, device, start: int, stop: int):
+        rotations = self.tables(device)["rotary"]
+        return None if rotations is None else rotations[start:stop]
 
     @torch.no_grad()
     def prefill(self, text: torch.Tensor, cache: DALLECache) -> torch.Tensor:
@@ -65,10 +63,10 @@ class IncrementalDecodingMixin:
         if cache.length != 0:
             raise ValueError("prefill needs an empty cache (from new_cache)")
         h = self._embed_text(self.text_tokens(text))
-        cos, sin = self._rotary_at(h.device, 0, h.shape[1], h.dtype)
+        rotations = self._rotary_at(h.device, 0, h.shape[1])
 
         def attend(i, block, x):
-            return block.attn.forward_text(x, cos, sin, cache.layers[i])
+            return block.attn.forward_text(x, rotations, cache.layers[i])
 
         h = self._run_layers(h, attend, allow_recompute=False)
         cache.length = h.shape[1]
@@ -93,11 +91,11 @@ class IncrementalDecodingMixin:
         if cell >= c.num_image - 1:
             raise ValueError(f"all {c.num_image} codes are known after {c.num_image - 1} decode steps; nothing left to predict")
         h = self._embed_image(code.view(-1, 1), start=cell)
-        cos, sin = self._rotary_at(h.device, position, position + 1, h.dtype)
+        rotations = self._rotary_at(h.device, position, position + 1)
 
         def attend(i, block, x):
             mask_row = self._dense_mask(self.layer_types[i], x.device)[position, : position + 1]
-            return block.attn.forward_step(x, position, mask_row, cache.layers[i], cos, sin)
+            return block.attn.forward_step(x, position, mask_row, cache.layers[i], rotations)
 
         h = self._run_layers(h, attend, allow_recompute=False)
         cache.length = position + 1

@@ -223,7 +223,7 @@ class DALLE(IncrementalDecodingMixin, nn.Module):
 
     # ----- tables -----------------------------------------------------------------------------------
     def tables(self, device: torch.device) -> dict:
-        """Attention layouts, rotary cos/sin and dense reference masks on ``device`` (cached)."""
+        """Attention layouts, rotary rotations and dense reference masks on ``device`` (cached)."""
         key = str(device)
         if key not in self._tables:
             c = self.config
@@ -233,10 +233,9 @@ class DALLE(IncrementalDecodingMixin, nn.Module):
                 tables["layouts"][attn_type] = layout.to(device)
                 tables["dense"][attn_type] = None  # built on first decode
             if c.rotary:
-                cos, sin = rotary_tables(c.num_text, c.image_grid_size, c.dim_head, c.rotary_theta)
-                tables["cos"], tables["sin"] = cos.to(device), sin.to(device)
+                tables["rotary"] = rotary_tables(c.num_text, c.image_grid_size, c.dim_head, c.rotary_theta).to(device)
             else:
-                tables["cos"] = tables["sin"] = None
+                tables["rotary"] = None
             self._tables[key] = tables
         return self._tables[key]
 
@@ -316,12 +315,8 @@ class DALLE(IncrementalDecodingMixin, nn.Module):
             raise ValueError(f"image has {image.shape[1]} codes per row, the model expects {c.num_image}")
         h = torch.cat([self._embed_text(self.text_tokens(text)), self._embed_image(image)], dim=1)
         tables = self.tables(h.device)
-        cos, sin = tables["cos"], tables["sin"]
-        if cos is not None:
-            cos, sin = cos.to(h.dtype), sin.to(h.dtype)
-
         def attend(i, block, x):
-            return block.attn(x, c.num_text, tables["layouts"][self.layer_types[i]], cos, sin)
+            return block.attn(x, c.num_text, tables["layouts"][self.layer_types[i]], tables["rotary"])
 
         return self._run_layers(h, attend)
 
