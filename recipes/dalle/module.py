@@ -88,12 +88,16 @@ class DALLEModule(L.LightningModule):
 
         return load_image_codec(self.hparams["image_codec"], self.hparams["vqgan_config"], self.hparams["vqgan_checkpoint"])
 
-    def memory_profile(self) -> dict[str, int]:
-        """Transformer shape for `lightning_swarm.memory` (activation estimates)."""
+    def memory_profile(self) -> dict:
+        """Transformer shape for `lightning_swarm.memory` (activation and logits estimates)."""
         c = self.config
         return {"dim": c.dim, "depth": c.depth, "heads": c.heads, "dim_head": c.dim_head,
-                "seq_len": 1 + c.text_seq_len + c.image_grid_size ** 2, "ff_mult": c.ff_mult,
-                "vocab_size": c.image_vocab_size, "reversible": int(c.reversible)}
+                "seq_len": c.num_text + c.image_grid_size ** 2, "ff_mult": c.ff_mult, "glu": True,
+                "attention": "sdpa", "vocab_size": c.image_vocab_size,
+                # text positions score the text vocabulary, image positions the codebook (never the union)
+                "logits_per_sample": c.text_seq_len * (c.text_vocab_size + c.text_seq_len)
+                                     + c.image_grid_size ** 2 * c.image_vocab_size,
+                "reversible": bool(c.reversible)}
 
     def forward(self, text: torch.Tensor, image: torch.Tensor):
         return self.model(text, image)
