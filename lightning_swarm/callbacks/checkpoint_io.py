@@ -21,6 +21,7 @@ A save writes into a hidden temporary directory, renames it into place, then rep
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -306,14 +307,16 @@ def read_checkpoint(url: str, cache_dir: Optional[str] = None) -> Checkpoint:
 
     Args:
         url: a checkpoint directory, or a root with a ``latest`` file (the newest checkpoint is read).
-        cache_dir: where remote files are downloaded (a fresh temporary directory by default).
+        cache_dir: where remote files are downloaded (default: a directory under the system's temp dir named
+            after the URL, so reading the same URL again overwrites rather than piles up copies).
     """
     url = resolve_checkpoint_url(url)
     fs, path = fsspec.core.url_to_fs(url)
     if isinstance(fs, LocalFileSystem):
         local_dir = path
     else:
-        local_dir = cache_dir or tempfile.mkdtemp(prefix="swarm-ckpt-")
+        url_hash = hashlib.sha256(url.encode()).hexdigest()[:16]
+        local_dir = cache_dir or os.path.join(tempfile.gettempdir(), "lightning_swarm_checkpoints", url_hash)
         os.makedirs(local_dir, exist_ok=True)
         for name in CHECKPOINT_FILES:
             fs.get_file(f"{path}/{name}", os.path.join(local_dir, name))
