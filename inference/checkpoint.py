@@ -1,0 +1,51 @@
+"""Load a trained DALL-E for sampling: the model, its caption tokenizer and the image codec its config names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from recipes.dalle.model import DALLE
+from recipes.dalle.tokenizer import TextTokenizer
+
+
+@dataclass
+class LoadedDALLE:
+    """What sampling needs from a checkpoint."""
+
+    model: DALLE
+    tokenizer: TextTokenizer
+    codec: object  # PaletteCodec or VQGAN: decode(codes [B, G, G]) -> images [B, 3, H, W] in [0, 1]
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """Image codes [B, N] (raster order) -> RGB images [B, 3, H, W] in [0, 1]."""
+        grid = self.model.config.image_grid_size
+        return self.codec.decode(codes.reshape(codes.shape[0], grid, grid)).float().clamp(0, 1)
+
+
+def load_dalle(checkpoint: str | Path, device: str | torch.device = "cpu") -> LoadedDALLE:
+    """Load a Lightning checkpoint of `recipes.dalle.module.DALLEModule` (read with torch.load(weights_only=True);
+    its hyper-parameters hold the DALLEConfig and the codec name) and build the codec it names.
+
+    Args:
+        checkpoint: path of the `.ckpt` file (e.g. runs/dalle_tiny/checkpoints/last.ckpt).
+        device: where the model runs.
+    """
+    from recipes.dalle.module import DALLEModule
+
+    path = Path(checkpoint)
+    if not path.is_file():
+        raise ValueError(f"no DALL-E checkpoint at {path}: train one with "
+                         f"`python -m recipes.dalle fit --config configs/dalle_tiny.yaml` "
+                         f"(it writes runs/dalle_tiny/checkpoints/last.ckpt) and pass it as --checkpoint")
+    module = DALLEModule.from_checkpoint(str(path), map_location=device)
+    model = module.model.to(device).eval()
+    codec = module.image_codec()
+    if hasattr(codec, "to"):
+        codec = codec.to(device).eval()
+    if codec.codebook_size != model.config.image_vocab_size:
+        raise ValueError(f"the checkpoint's codec has {codec.codebook_size} codes but the model samples "
+                         f"{model.config.image_vocab_size}; check image_codec / vqgan_* in its config")
+    return LoadedDALLE(model, TextTokenizer(model.config.text_seq_len), codec)
