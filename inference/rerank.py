@@ -129,11 +129,19 @@ class CLIPReranker:
             caption: the prompt the images were generated for.
             batch_size: images encoded per forward pass.
         """
-        text = self.tokenizer([caption]).to(self.device)
-        text_features = F.normalize(self.model.encode_text(text).float(), dim=-1)
+        return self.score_pairs(images, [caption] * images.shape[0], batch_size)
+
+    @torch.no_grad()
+    def score_pairs(self, images: torch.Tensor, captions: list[str], batch_size: int = 64) -> torch.Tensor:
+        """CLIP score of image i for captions[i] (each distinct caption is encoded once); FloatTensor [B]."""
+        if len(captions) != images.shape[0]:
+            raise ValueError(f"got {images.shape[0]} images but {len(captions)} captions")
+        distinct = list(dict.fromkeys(captions))
+        text_features = F.normalize(self.model.encode_text(self.tokenizer(distinct).to(self.device)).float(), dim=-1)
+        rows = torch.tensor([distinct.index(c) for c in captions], device=self.device)
         scores = []
         for start in range(0, images.shape[0], batch_size):
             chunk = self.preprocess(images[start : start + batch_size].to(self.device))
             image_features = F.normalize(self.model.encode_image(chunk).float(), dim=-1)
-            scores.append(100.0 * (image_features @ text_features.T).squeeze(-1))
+            scores.append(100.0 * (image_features * text_features[rows[start : start + batch_size]]).sum(-1))
         return torch.cat(scores).cpu()

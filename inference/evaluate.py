@@ -1,0 +1,152 @@
+"""Offline quality benchmark on the embedded shapes data: does CLIP reranking pick correct images?
+
+    python -m inference.evaluate --checkpoint runs/dalle_tiny/checkpoints/last.ckpt \\
+        --clip-model checkpoints/clip_tiny --num-captions 32 --num-candidates 16 --json eval.json
+
+For each of the first `num-captions` distinct validation captions (about half name a colour+shape pair
+never seen in training), sample `num-candidates` images and judge each with `recipes.shapes.check_caption`.
+Reported per subset (all, held-out pairs, seen pairs):
+- random_acc: accuracy of a random candidate (the mean correctness over all candidates),
+- clip_top1_acc: accuracy of the candidate CLIP scores highest,
+- best_of_n: share of captions with at least one correct candidate (the ceiling of any reranker),
+- mean_clip: mean CLIP score of all candidates; top1_clip: mean score of CLIP's picks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from inference.checkpoint import LoadedDALLE, load_dalle
+from inference.generate import DEFAULT_CLIP
+from inference.rerank import CLIPReranker
+from inference.sampling import sample_codes
+from recipes.shapes import check_caption, generate_example
+
+
+def validation_captions(num_captions: int, seed: int = 0, split: str = "val") -> list[tuple[str, bool]]:
+    """The first `num_captions` distinct captions of the shapes `split`, each with its held-out flag.
+
+    Args:
+        num_captions: how many distinct captions to return.
+        seed: the shapes generator seed the DALL-E data was written with (0 for the recipes' defaults).
+        split: "val" (held-out combinations included) or "train".
+    """
+    captions, seen = [], set()
+    index = 0
+    while len(captions) < num_captions:
+        if index > 100 * num_captions + 1000:
+            raise ValueError(f"the {split} split has fewer than {num_captions} distinct captions")
+        caption, _, labels = generate_example(index, split, seed)
+        index += 1
+        if caption not in seen:
+            seen.add(caption)
+            captions.append((caption, bool(labels["held_out"])))
+    return captions
+
+
+@torch.no_grad()
+def score_candidates(dalle: LoadedDALLE, reranker: CLIPReranker, captions: list[str], num_candidates: int,
+                     batch_size: int = 16, seed: int = 0, **sampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample `num_candidates` images per caption (rows of several captions share a batch) and judge them.
+
+    Returns (correct BoolTensor [C, N], clip_scores FloatTensor [C, N]) for C captions and N candidates.
+    `sampling` holds temperature, top_k, top_p, guidance_scale (see `inference.sampling.sample_codes`).
+    """
+    device = dalle.model.image_emb.weight.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    tokens = dalle.tokenizer(captions).to(device)
+    rows = torch.arange(len(captions)).repeat_interleave(num_candidates)  # caption index of every candidate
+    correct = torch.zeros(len(rows), dtype=torch.bool)
+    scores = torch.zeros(len(rows))
+    with tqdm(total=len(rows), desc="candidates", unit="img") as progress:
+        for start in range(0, len(rows), batch_size):
+            batch = rows[start : start + batch_size]
+            codes = sample_codes(dalle.model, tokens[batch.to(device)], generator=generator, **sampling)
+            batch_captions = [captions[i] for i in batch.tolist()]
+            scores[start : start + len(batch)] = reranker.score_pairs(dalle.decode(codes), batch_captions)
+            for offset, caption in enumerate(batch_captions):
+                correct[start + offset] = check_caption(caption, codes[offset].cpu())
+            progress.update(len(batch))
+    return correct.view(len(captions), num_candidates), scores.view(len(captions), num_candidates)
+
+
+def summarize(correct: torch.Tensor, scores: torch.Tensor) -> dict[str, float]:
+    """Accuracy of a random candidate, of CLIP's top-1, best-of-N and CLIP scores for [C, N] results."""
+    top1 = scores.argmax(-1)
+    picked = correct.gather(1, top1[:, None]).squeeze(1)
+    return {
+        "captions": int(correct.shape[0]),
+        "random_acc": correct.float().mean().item(),
+        "clip_top1_acc": picked.float().mean().item(),
+        "best_of_n": correct.any(-1).float().mean().item(),
+        "mean_clip": scores.mean().item(),
+        "top1_clip": scores.gather(1, top1[:, None]).mean().item(),
+    }
+
+
+def format_table(report: dict[str, dict]) -> str:
+    """A fixed-width text table of `summarize` results, one row per subset."""
+    columns = ["captions", "random_acc", "clip_top1_acc", "best_of_n", "mean_clip", "top1_clip"]
+    lines = [f"{'subset':<12}" + "".join(f"{c:>15}" for c in columns)]
+    for subset, row in report.items():
+        cells = "".join(f"{row[c]:>15d}" if c == "captions" else f"{row[c]:>15.3f}" for c in columns)
+        lines.append(f"{subset:<12}{cells}")
+    return "\n".join(lines)
+
+
+def evaluate(dalle: LoadedDALLE, reranker: CLIPReranker, num_captions: int = 32, num_candidates: int = 16,
+             data_seed: int = 0, **kwargs) -> dict[str, dict]:
+    """Run the benchmark; returns {"all": ..., "held_out": ..., "seen_pairs": ...} rows of `summarize`.
+    `kwargs` are those of `score_candidates` (batch_size, seed, sampling arguments)."""
+    items = validation_captions(num_captions, data_seed)
+    correct, scores = score_candidates(dalle, reranker, [c for c, _ in items], num_candidates, **kwargs)
+    held_out = torch.tensor([h for _, h in items])
+    report = {"all": summarize(correct, scores)}
+    for name, mask in (("held_out", held_out), ("seen_pairs", ~held_out)):
+        if mask.any():
+            report[name] = summarize(correct[mask], scores[mask])
+    return report
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="DALL-E Lightning checkpoint (.ckpt) trained on shapes")
+    parser.add_argument("--clip-model", default=DEFAULT_CLIP, help="local CLIP directory or open_clip name")
+    parser.add_argument("--clip-pretrained", default=None, help="pretrained tag or weights file (open_clip names)")
+    parser.add_argument("--num-captions", type=int, default=32, help="distinct validation captions")
+    parser.add_argument("--num-candidates", type=int, default=16, help="images sampled per caption")
+    parser.add_argument("--batch-size", type=int, default=32, help="images sampled together")
+    parser.add_argument("--temperature", type=float, default=1.0, help="logit temperature")
+    parser.add_argument("--top-k", type=int, default=0, help="top-k filter (0 = off)")
+    parser.add_argument("--top-p", type=float, default=None, help="top-p filter")
+    parser.add_argument("--guidance-scale", type=float, default=1.0, help="classifier-free guidance scale")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--data-seed", type=int, default=0, help="seed the shapes data was generated with")
+    parser.add_argument("--json", default=None, help="also write the report (and the settings) to this JSON file")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict]:
+    args = build_parser().parse_args(argv)
+    dalle = load_dalle(args.checkpoint, args.device)
+    reranker = CLIPReranker.load(args.clip_model, args.clip_pretrained, args.device)
+    report = evaluate(dalle, reranker, args.num_captions, args.num_candidates, args.data_seed,
+                      batch_size=args.batch_size, seed=args.seed, temperature=args.temperature,
+                      top_k=args.top_k or None, top_p=args.top_p, guidance_scale=args.guidance_scale)
+    print(f"{args.num_captions} validation captions x {args.num_candidates} candidates, CLIP {args.clip_model}")
+    print(format_table(report))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"settings": vars(args), "report": report}, indent=2) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()

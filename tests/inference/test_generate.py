@@ -1,0 +1,81 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from inference import evaluate, generate
+from inference.checkpoint import load_dalle
+from inference.evaluate import summarize, validation_captions
+
+
+def test_checkpoint_loads_without_unpickling(tiny_dalle_checkpoint):
+    dalle = load_dalle(tiny_dalle_checkpoint)
+    assert dalle.model.config.image_vocab_size == dalle.codec.codebook_size == 8
+    images = dalle.decode(torch.zeros(2, 256, dtype=torch.long))
+    assert images.shape == (2, 3, 128, 128)
+    with pytest.raises(ValueError, match="recipes.dalle fit"):
+        load_dalle(tiny_dalle_checkpoint.parent / "missing.ckpt")
+
+
+def test_generate_cli_writes_grids_and_scores(tiny_dalle_checkpoint, tiny_clip_dir, tmp_path):
+    out = tmp_path / "samples"
+    prompts = ["a big red circle", "a blue cross above a green square"]
+    argv = ["--checkpoint", str(tiny_dalle_checkpoint), "--prompt", prompts[0], "--prompt", prompts[1],
+            "--num-candidates", "5", "--keep", "4", "--batch-size", "5", "--top-k", "6", "--top-p", "0.9",
+            "--clip-model", str(tiny_clip_dir), "--out", str(out), "--seed", "3"]
+    results = generate.main(argv)
+    written = json.loads((out / "results.json").read_text())
+    assert written == results and [r["prompt"] for r in written] == prompts
+    for result in written:
+        kept = result["kept"]
+        assert [k["rank"] for k in kept] == [1, 2, 3, 4]
+        scores = [k["clip_score"] for k in kept]
+        assert scores == sorted(scores, reverse=True)  # best first
+        assert len({k["candidate"] for k in kept}) == 4 and all(0 <= k["candidate"] < 5 for k in kept)
+        grid = np.asarray(Image.open(out / result["grid"]))
+        # 4 images of 128 px in a 2x2 grid with 2 px padding
+        assert grid.shape == (2 * 128 + 3 * 2, 2 * 128 + 3 * 2, 3)
+    assert generate.main(argv) == results  # same seed, same candidates and scores
+
+
+def test_kept_images_are_the_highest_scoring_candidates(tiny_dalle_checkpoint, tiny_clip_dir):
+    from inference.rerank import CLIPReranker
+
+    dalle, reranker = load_dalle(tiny_dalle_checkpoint), CLIPReranker.load(str(tiny_clip_dir))
+    codes, scores = generate.sample_and_score(dalle, reranker, "a small black cross", 3, batch_size=2,
+                                              generator=torch.Generator().manual_seed(0))
+    assert codes.shape == (3, 256) and scores.shape == (3,)
+    # scores belong to their candidates: rescoring the decoded codes gives the same numbers
+    assert torch.allclose(reranker.score(dalle.decode(codes), "a small black cross"), scores, atol=1e-4)
+
+
+def test_summary_counts_random_top1_and_best_of_n():
+    correct = torch.tensor([[True, False, False, False], [False, False, False, False], [False, True, True, False]])
+    scores = torch.tensor([[9.0, 1.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0], [5.0, 1.0, 0.0, 0.5]])
+    row = summarize(correct, scores)
+    assert row["random_acc"] == pytest.approx(3 / 12)
+    assert row["clip_top1_acc"] == pytest.approx(1 / 3)  # caption 0 picks its correct image, 2 does not
+    assert row["best_of_n"] == pytest.approx(2 / 3)
+    assert row["top1_clip"] == pytest.approx((9 + 4 + 5) / 3)
+
+
+def test_validation_captions_are_distinct_and_flag_held_out_pairs():
+    captions = validation_captions(20)
+    assert len({c for c, _ in captions}) == 20
+    assert any(held for _, held in captions) and not all(held for _, held in captions)
+
+
+def test_evaluate_cli_prints_a_table_and_writes_json(tiny_dalle_checkpoint, tiny_clip_dir, tmp_path, capsys):
+    report_path = tmp_path / "eval.json"
+    report = evaluate.main(["--checkpoint", str(tiny_dalle_checkpoint), "--clip-model", str(tiny_clip_dir),
+                            "--num-captions", "3", "--num-candidates", "2", "--batch-size", "6",
+                            "--json", str(report_path)])
+    table = capsys.readouterr().out
+    assert "clip_top1_acc" in table and "random_acc" in table
+    assert json.loads(report_path.read_text())["report"] == report
+    assert report["all"]["captions"] == 3
+    for row in report.values():
+        assert 0.0 <= row["random_acc"] <= row["best_of_n"] <= 1.0
+        assert row["clip_top1_acc"] <= row["best_of_n"]
