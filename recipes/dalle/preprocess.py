@@ -2,7 +2,7 @@
 
     python -m recipes.dalle.preprocess --folder photos/ --out shards/ \
         --codec vqgan --vqgan-config vqgan_gumbel_f8.yaml --vqgan-checkpoint last.ckpt
-    python -m recipes.dalle.preprocess --tars 'laion/{00000..00099}.tar' ...   # use a glob: 'laion/*.tar'
+    python -m recipes.dalle.preprocess --tars 'laion/*.tar' --out shards/ --codec vqgan ...
     python -m recipes.dalle.preprocess --hf-dataset user/pairs --image-column image --codec palette ...
 
 Pairs are filtered as the seed run did (caption of at least 3 characters, aspect ratio at most 2, NSFW
@@ -14,8 +14,8 @@ encoded in batches, and written as Brotli parquet shards `{prefix}-{k:05d}.parqu
 Shard k always holds input pairs [k * rows_per_shard, (k+1) * rows_per_shard) before filtering, and is
 written atomically (its `_stats/{shard}.json` last, as the mark of a finished shard; a shard whose
 pairs were all dropped has no parquet file), so an interrupted run restarted with the same arguments
-skips finished shards and produces the same rows. Corrupt or unreadable images and rows are skipped and counted per reason
-(`{out}/_stats/{shard}.json`, summed in the final report).
+skips finished shards and produces the same rows. Corrupt or unreadable images and rows are skipped
+and counted per reason (`{out}/_stats/{shard}.json`, summed in the final report).
 """
 
 from __future__ import annotations
@@ -98,6 +98,18 @@ def center_crop_resize(image, size: int):
     return image
 
 
+def _optional_str(value) -> str | None:
+    return None if value is None else str(value)
+
+
+def _positive_int(value) -> int | None:
+    try:
+        number = int(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return number if number > 0 else None
+
+
 def prepare_example(example: SourceExample, pair_filter: PairFilter, size: int):
     """(ByteTensor[3, size, size], row without `code`) of a usable pair, or the reason to drop it."""
     reason = pair_filter.check_text(example)
@@ -108,17 +120,19 @@ def prepare_example(example: SourceExample, pair_filter: PairFilter, size: int):
     except Exception as error:  # PIL raises many types for bad data (OSError, ValueError, SyntaxError...)
         log.debug(f"{example.key}: unreadable image ({type(error).__name__}: {error})")
         return "corrupt_image"
-    width = int(example.metadata.get("original_width") or image.size[0])
-    height = int(example.metadata.get("original_height") or image.size[1])
-    reason = pair_filter.check_size(width, height)
+    # the source's original size when it records one (img2dataset stores resized images), else the file's;
+    # checked before resizing, which would blow a 10000x1 strip up to 2560000x256 pixels
+    width = _positive_int(example.metadata.get("original_width")) or image.size[0]
+    height = _positive_int(example.metadata.get("original_height")) or image.size[1]
+    reason = pair_filter.check_size(width, height) or pair_filter.check_size(*image.size)
     if reason:
         return reason
     pixels = np.asarray(center_crop_resize(image, size), dtype=np.uint8)
     tensor = torch.from_numpy(pixels.copy()).permute(2, 0, 1)  # uint8 until batched: 4x less memory in flight
     nsfw = example.metadata.get("NSFW")
     row = {"caption": example.caption.strip(), "original_width": width, "original_height": height,
-           "NSFW": None if nsfw is None else normalise_nsfw(nsfw), "url": example.metadata.get("url"),
-           "key": example.key}
+           "NSFW": None if nsfw is None else normalise_nsfw(nsfw),
+           "url": _optional_str(example.metadata.get("url")), "key": example.key}
     return tensor, row
 
 

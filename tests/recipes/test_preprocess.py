@@ -40,6 +40,7 @@ def write_folder(root, num_good: int = 9) -> list[tuple[str, np.ndarray]]:
         expected.append((caption, grid.flatten()))
     _, _, png = shapes_png(100)
     (root / "img-03.json").write_text(json.dumps({"NSFW": "UNLIKELY", "url": "https://example.com/3.png"}))
+    (root / "img-05.json").write_text(json.dumps({"original_width": "n/a", "url": 5}))  # odd metadata: kept
     (root / "z-bad-garbage.png").write_bytes(b"this is not a png at all")
     (root / "z-bad-garbage.txt").write_text("a picture that cannot be read")
     (root / "z-bad-truncated.png").write_bytes(png[: len(png) // 2])
@@ -88,6 +89,7 @@ def test_folder_to_shards_streams_back_row_for_row(tmp_path):
     assert all(r["original_width"] == r["original_height"] == 128 for r in rows)
     assert rows[3]["NSFW"] == "UNLIKELY" and rows[3]["url"] == "https://example.com/3.png"
     assert rows[0]["NSFW"] is None and rows[0]["key"] == "img-00.png"
+    assert rows[5]["url"] == "5" and rows[5]["original_width"] == 128
 
     streamed = stream_rows(str(out / "*.parquet"))
     assert sorted(streamed) == sorted((c, tuple(g)) for c, g in expected)
