@@ -11,9 +11,11 @@ Examples::
     python -m lightning_swarm.monitor --config configs/dalle_tiny.yaml --host_maddrs /ip4/0.0.0.0/tcp/31337 \\
         --identity_path monitor.id --save_every_epochs 10 --upload_to hf://me/dalle-swarm
 
-    # moderators: revert the run to a checkpoint (trainers and later joiners load it)
+    # moderators: revert the run to a checkpoint (running trainers reload it, later joiners load it);
+    # restart the monitor with the same identity/address and, to find the running trainers at once,
+    # the address of one of them
     python -m lightning_swarm.monitor --config configs/dalle_tiny.yaml --identity_path monitor.id \\
-        --revert_to hf://me/dalle-swarm
+        --host_maddrs /ip4/0.0.0.0/tcp/31337 --initial_peers /ip4/.../p2p/<a trainer> --revert_to hf://me/dalle-swarm
 """
 
 from __future__ import annotations
@@ -61,6 +63,12 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--upload_backoff_seconds", type=float, default=30.0, help="first retry delay of an upload")
     p.add_argument("--no_checkpoints", action="store_true", help="only log metrics")
     p.add_argument("--revert_to", default=None, help="checkpoint URL to revert the swarm to at start")
+    p.add_argument("--revert_discovery_seconds", type=float, default=30.0,
+                   help="before reverting, wait up to this long for the running trainers' metrics to learn the "
+                        "swarm's epoch (pass --initial_peers of a live trainer to find them at once)")
+    p.add_argument("--revert_epoch_margin", type=int, default=5,
+                   help="announce the reverted state this many epochs past the swarm's newest epoch, so that "
+                        "running trainers (which reload when 2+ epochs behind) all reload it")
     p.add_argument("--revert_window", type=float, default=300.0,
                    help="seconds to keep announcing the reverted epoch")
     p.add_argument("--load_state_timeout", type=float, default=None, help="default: from the config or 600")
@@ -132,7 +140,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: monitor.stop_event.set())
     try:
         if args.revert_to:
-            epoch = monitor.revert_to(args.revert_to)
+            epoch = monitor.revert_to(args.revert_to, args.revert_discovery_seconds, args.revert_epoch_margin)
             print(f"[lightning_swarm.monitor] REVERTED to {args.revert_to} as epoch {epoch}", flush=True)
         monitor.run(max_runtime=args.max_runtime)
     except KeyboardInterrupt:

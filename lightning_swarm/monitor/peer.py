@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import hivemind
@@ -152,20 +153,35 @@ class MonitorPeer:
         scheduler = self.optimizer.state_averager.scheduler
         return [scheduler.state_dict()] if scheduler is not None else []
 
-    def revert_to(self, url: str) -> int:
+    def newest_swarm_epoch(self, discovery_seconds: float = 0.0) -> int:
+        """The highest epoch the trainers report; waits up to ``discovery_seconds`` for a first metrics record
+        (a freshly restarted monitor only hears from the trainers once they reach it again)."""
+        deadline = time.monotonic() + discovery_seconds
+        records = self.fetch_metrics()
+        while not records and time.monotonic() < deadline:
+            time.sleep(0.5)
+            records = self.fetch_metrics()
+        return max([self.swarm_epoch] + [r.step for r in records.values()])
+
+    def revert_to(self, url: str, discovery_seconds: float = 0.0, epoch_margin: int = 5) -> int:
         """Make the checkpoint at ``url`` the state every trainer and every joiner loads; returns its new epoch.
 
-        The epoch is set to at least two past the swarm's (hivemind peers reload once they are more than one
-        epoch behind), so the LR schedule moves on with it.
+        Running hivemind peers reload the state only when they find themselves more than one epoch behind the
+        swarm, so the reverted state is announced ``epoch_margin`` epochs past the newest epoch known here;
+        the margin must exceed 1 + the epochs the swarm advances before the trainers notice (about one progress
+        refresh, plus the age of the metrics records). The LR schedule moves on with the epoch.
+        ``discovery_seconds``: how long to wait for the running trainers' metrics (0 if the swarm was stopped).
         """
+        if epoch_margin < 2:
+            raise ValueError(f"epoch_margin must be >= 2 (peers reload only when 2+ epochs behind), got {epoch_margin}")
+        newest = self.newest_swarm_epoch(discovery_seconds)
         checkpoint = read_checkpoint(url)
         checkpoint.load_into(self.module)
         if checkpoint.optimizer_states:
             state = dict(checkpoint.optimizer_states[0])
             state["state"] = {k: v for k, v in state["state"].items() if k != "local_epoch"}
             self.optimizer.load_state_dict(state)
-        newest_reported = max((r.step for r in self.fetch_metrics().values()), default=0)
-        epoch = max(int(checkpoint.meta.get("global_epoch") or 0), self.swarm_epoch + 2, newest_reported + 2)
+        epoch = max(int(checkpoint.meta.get("global_epoch") or 0), newest + epoch_margin)
         averager = self.optimizer.state_averager
         averager.local_epoch = epoch
         averager._update_scheduler()  # the schedule follows the epoch, as on every peer

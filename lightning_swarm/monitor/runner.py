@@ -91,8 +91,9 @@ class Monitor:
         self.stop_event = threading.Event()
         os.makedirs(log_dir, exist_ok=True)
 
-    def revert_to(self, url: str) -> int:
-        epoch = self.peer.revert_to(url)
+    def revert_to(self, url: str, discovery_seconds: float = 0.0, epoch_margin: int = 5) -> int:
+        """Revert the run to the checkpoint at ``url`` (see :meth:`MonitorPeer.revert_to`)."""
+        epoch = self.peer.revert_to(url, discovery_seconds, epoch_margin)
         self._revert_started = time.monotonic()
         self.last_saved_epoch = epoch
         return epoch

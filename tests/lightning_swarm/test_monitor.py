@@ -249,7 +249,7 @@ def test_monitor_with_two_trainers_checkpoint_and_revert(tmp_path):
         revert_url = uploaded.url
         peers_file_c = str(tmp_path / "peers_c.txt")
         procs.append(monitor("monitor2.log", "--log_dir", "logs2", "--checkpoint_dir", "ckpt2",
-                             "--revert_to", revert_url))
+                             "--revert_to", revert_url, "--revert_discovery_seconds", "0"))
         procs.append(trainer("c", 3, peers_file_c, "--ckpt_dir", str(tmp_path / "c_ckpt")))
         reverted_epoch = int(procs[0].wait_line("[lightning_swarm.monitor] REVERTED", 150).split()[-1])
         assert reverted_epoch >= uploaded.meta["global_epoch"]
