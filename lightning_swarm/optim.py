@@ -16,6 +16,12 @@ The update is LAMB as in the seed run (pytorch-lamb / torch_optimizer flavour, p
 ``m`` and ``v`` are stored between steps as bitsandbytes blockwise 8-bit codes (``uint8`` + one float32 absmax
 per block; signed dynamic map for ``m``, unsigned for ``v``) for tensors with at least ``min_8bit_size``
 elements, and as float32 for smaller tensors (norm gains, biases) where 8 bits buy nothing.
+
+With hivemind: pass ``optimizer=lambda params: LAMB8bit(params, ...)`` (or re-create an instance as
+``type(opt)(params, **opt.defaults)``) with ``offload_optimizer=True``. Do not list ``exp_avg``/``exp_avg_sq`` in
+hivemind's ``average_opt_statistics``: averaging 8-bit codes (each block with its own absmax) is meaningless.
+Loading state from peers works: the uint8 codes travel as they are (``default_compression`` passes non-float
+tensors through) and :meth:`LAMB8bit.load_state_dict` keeps them uint8.
 """
 
 from __future__ import annotations
