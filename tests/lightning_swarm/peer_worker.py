@@ -22,10 +22,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 def make_regression_data(num_samples: int, in_dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Deterministic synthetic regression data: y = x @ w + noise."""
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_samples, in_dim, generator=generator)
+    # separate generators, so that sample i is the same whatever num_samples is
+    x = torch.randn(num_samples, in_dim, generator=torch.Generator().manual_seed(seed))
     w = torch.randn(in_dim, 1, generator=torch.Generator().manual_seed(1234))
-    y = x @ w + 0.1 * torch.randn(num_samples, 1, generator=generator)
+    y = x @ w + 0.1 * torch.randn(num_samples, 1, generator=torch.Generator().manual_seed(seed + 1))
     return x, y
 
 
@@ -88,7 +88,8 @@ class SwarmRecorder(pl.Callback):
     """Record parameters and swarm state at every global epoch; stop at `stop_at_epoch` (or after `max_seconds`).
 
     barrier_dir, barrier_count: before the first step, write a file into `barrier_dir` and wait (up to 90 s) until
-        `barrier_count` peers did, so that peers start their first step together.
+        `barrier_count` peers did, so that peers start together; before the second step, wait until this peer's
+        progress tracker sees them all (hivemind lists a peer only once it has reported samples).
     checkpoint_at_stop: if set, save a Lightning checkpoint to this path when stopping.
     """
 
@@ -131,6 +132,11 @@ class SwarmRecorder(pl.Callback):
         while len(list(barrier.iterdir())) < self.barrier_count and time.perf_counter() < deadline:
             time.sleep(0.05)
 
+    def _wait_for_peers(self, strategy: Any) -> None:
+        deadline = time.perf_counter() + 60
+        while strategy.num_peers < self.barrier_count and time.perf_counter() < deadline:
+            time.sleep(0.05)
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self._start is None:  # first batch: the strategy has joined the swarm (and maybe loaded its state)
             self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -138,6 +144,8 @@ class SwarmRecorder(pl.Callback):
                 self._wait_for_barrier()
             self._start = time.perf_counter()
             self._record(trainer, pl_module, "start")
+        elif trainer.global_step == 1 and self.barrier_dir:
+            self._wait_for_peers(trainer.strategy)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self._record(trainer, pl_module, "step")
