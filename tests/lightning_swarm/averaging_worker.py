@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--prefix", default="lightning_swarm_test", help="averaging group key prefix")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to find a group")
     args = parser.parse_args()
+    torch.set_num_threads(1)  # two peers share a small machine; bitsandbytes' OpenMP kernels wait on busy cores
 
     import hivemind
     from hivemind.averaging import DecentralizedAverager
