@@ -49,7 +49,7 @@ from hivemind.proto import runtime_pb2
 
 # hivemind's BLOCKWISE_8BIT decoder hard-codes this block size; keeping it makes messages interoperable
 BLOCKSIZE = 4096
-# size of the default threshold: tensors with at least this many elements are sent as 8-bit codes
+# float tensors with at least this many elements are sent as 8-bit codes by default
 DEFAULT_THRESHOLD = 2**16
 # number of blocks on which candidate codebooks are compared (a strided sample keeps the choice cheap)
 _CODEBOOK_TRIAL_BLOCKS = 16
@@ -216,7 +216,9 @@ class SwarmCompression(AdaptiveCompressionBase):
 
 def default_compression(threshold: int = DEFAULT_THRESHOLD) -> CompressionBase:
     """The seed run's scheme: 8-bit codes for float tensors with at least ``threshold`` elements, float16 for
-    smaller float tensors, other dtypes as they are. Use it for gradients, averaged state and state loading.
+    smaller float tensors, other dtypes as they are. Use it for gradients and averaged state. For a newcomer's
+    one-time state download, ``default_compression(threshold=2**62)`` (float16 for every float tensor) or
+    hivemind's ``NoCompression()`` avoid handing it 8-bit-rounded parameters.
 
     Args:
         threshold: tensors with this many elements or more are quantized to 8 bits.
