@@ -139,11 +139,20 @@ class MonitorPeer:
     # ------------------------------------------------------------------ state
 
     def load_state_from_peers(self) -> bool:
-        """Download the newest state from the trainers; True if an epoch newer than ours arrived."""
+        """Download the newest state from the trainers; True if an epoch newer than ours arrived.
+
+        Calls the state averager directly (not ``hivemind.Optimizer.load_state_from_peers``, which retries
+        forever): a failed or timed-out download is reported and tried again at the next refresh.
+        """
         before = self.epoch
-        self.optimizer.load_state_from_peers()
-        if self.reverted_epoch is None:
-            self.optimizer.state_averager.allow_state_sharing = False
+        averager = self.optimizer.state_averager
+        try:
+            averager.load_state_from_peers(timeout=self.optimizer.load_state_timeout)
+        except Exception as e:
+            logger.warning(f"Could not download the state from the peers: {e!r}")
+            return False
+        if self.epoch > before and averager.allow_state_sharing:
+            averager.state_sharing_priority = self.epoch  # after a revert: offer the newer state as itself
         return self.epoch > before
 
     def optimizer_states(self) -> List[dict]:

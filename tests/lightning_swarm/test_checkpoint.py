@@ -135,6 +135,30 @@ def test_memory_target_and_resume(tmp_path):
     assert load_checkpoint(str(tmp_path / "b"), TinyRegressor())["samples_seen"] == 3 * 4 + 2 * 4
 
 
+def test_time_based_saving(tmp_path, monkeypatch):
+    import lightning_swarm.callbacks.checkpoint as checkpoint_module
+
+    clock = {"steps": 0}  # a fake clock: every training step takes exactly 0.1 s
+
+    class FakeTime:
+        @staticmethod
+        def monotonic():
+            return clock["steps"] / 10
+
+    class TickingSteps(pl.Callback):
+        def on_train_batch_start(self, *args):
+            clock["steps"] += 1
+
+    monkeypatch.setattr(checkpoint_module, "time", FakeTime)
+    callback = SwarmCheckpoint(dirpath=str(tmp_path), every_n_epochs=None, every_n_minutes=0.25 / 60,
+                               keep_last=10, save_on_train_end=False)
+    trainer = make_trainer(callback, max_steps=7)
+    trainer.callbacks.append(TickingSteps())
+    trainer.fit(TinyRegressor(), RandomRegressionData())
+    saved = [read_checkpoint(str(tmp_path / name)).meta["global_epoch"] for name in list_checkpoints(str(tmp_path))]
+    assert saved == [3, 6]  # 0.25 s since the last save: at 0.3 s and 0.6 s
+
+
 def test_failing_target_is_reported_retried_and_never_blocks(tmp_path):
     blocker = tmp_path / "blocker"
     blocker.write_text("a file where the target's parent directory should be")
