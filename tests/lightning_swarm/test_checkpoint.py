@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 
-import fsspec
 import lightning.pytorch as pl
 import pytest
 import torch
