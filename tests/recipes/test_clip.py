@@ -74,7 +74,8 @@ def test_training_steps_reduce_the_loss():
 
 def test_cli_fits_and_exports_an_open_clip_local_dir(tmp_path):
     export = tmp_path / "clip"
-    main(["fit", "--config", "configs/clip_tiny.yaml", f"--model.model_cfg={json.dumps(TINY)}",
+    # strategy=auto: the swarm (HivemindStrategy, as in the config) is exercised by lightning_swarm tests
+    main(["fit", "--config", "configs/clip_tiny.yaml", "--trainer.strategy=auto", f"--model.model_cfg={json.dumps(TINY)}",
           f"--model.export_dir={export}", "--trainer.max_steps=2", "--trainer.val_check_interval=2",
           "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
           f"--trainer.default_root_dir={tmp_path}", "--data.num_train=16", "--data.num_val=8",
