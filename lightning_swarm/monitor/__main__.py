@@ -76,6 +76,17 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
+def without_own_address(initial_peers: List[str], identity_path: Optional[str]) -> List[str]:
+    """Drop the monitor's own address: the trainers' config usually lists it as their initial peer."""
+    if not identity_path or not os.path.isfile(identity_path):
+        return list(initial_peers)
+    from hivemind.p2p import PeerID
+
+    with open(identity_path, "rb") as f:
+        own_id = PeerID.from_identity(f.read()).to_base58()
+    return [address for address in initial_peers if not address.rstrip("/").endswith(f"/p2p/{own_id}")]
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     args = make_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -90,6 +101,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     initial_peers = args.initial_peers if args.initial_peers is not None else swarm.get("initial_peers") or []
     if isinstance(initial_peers, str):
         initial_peers = [p for p in initial_peers.replace(",", " ").split() if p]
+    initial_peers = without_own_address(initial_peers, args.identity_path)
 
     # heavy imports after the arguments are known to be fine
     from lightning_swarm.callbacks.checkpoint import CheckpointSaver

@@ -95,6 +95,20 @@ def test_cli_needs_run_settings_and_builds_loggers(tmp_path):
         build_loggers(["mlflowish"], str(tmp_path), "r")
 
 
+def test_monitor_drops_its_own_address_from_the_trainers_initial_peers(tmp_path):
+    from hivemind.p2p import P2P, PeerID
+
+    from lightning_swarm.monitor.__main__ import without_own_address
+
+    identity = str(tmp_path / "monitor.id")
+    P2P.generate_identity(identity)
+    own = PeerID.from_identity(open(identity, "rb").read()).to_base58()
+    other = "/ip4/10.0.0.2/tcp/31337/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+    peers = [f"/ip4/10.0.0.1/tcp/31337/p2p/{own}", other]
+    assert without_own_address(peers, identity) == [other]
+    assert without_own_address(peers, str(tmp_path / "missing.id")) == peers
+
+
 # --------------------------------------------------------------------------------------------- real swarm
 
 
