@@ -104,15 +104,17 @@ def test_late_joiner_and_killed_peer(tmp_path, peers):
     """A peer joining at global epoch >= 2 starts from the swarm's parameters and epoch; after SIGKILL of one of
     the three peers, the other two keep passing global epochs with finite parameters."""
     recorder = {"stop_at_epoch": 1000, "max_seconds": 100}
-    model = {"step_delay": 0.02}
+    model = {"step_delay": 0.05, "lr_decay": 0.95}
+    together = dict(recorder, barrier_dir=str(tmp_path / "barrier"), barrier_count=2)
     first = Peer(tmp_path, "first", strategy_args("late", 24, compression="none", averaging_timeout=6.0),
-                 model=model, data={"batch_size": 4}, recorder=recorder)
+                 model=model, data={"batch_size": 4}, recorder=together)
     peers.append(first)
     join = first.join_peers()
     args = strategy_args("late", 24, compression="none", averaging_timeout=6.0, initial_peers=join)
-    doomed = Peer(tmp_path, "doomed", args, model=model, data={"batch_size": 4, "offset": 30_000}, recorder=recorder)
+    doomed = Peer(tmp_path, "doomed", args, model=model, data={"batch_size": 4, "offset": 30_000}, recorder=together)
     peers.append(doomed)
-    wait_until(lambda: first.max_epoch() >= 2, 90, [first, doomed], "the swarm to reach global epoch 2")
+    wait_until(lambda: min(first.max_epoch(), doomed.max_epoch()) >= 2, 90, [first, doomed],
+               "the two first peers to reach global epoch 2")
 
     late = Peer(tmp_path, "late", args, model=dict(model, seed=123), data={"batch_size": 4, "offset": 60_000},
                 recorder=recorder)
