@@ -20,6 +20,7 @@ of the current position over the cached keys, so it matches the full forward by 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -153,7 +154,8 @@ def grouped_attention(q, k, v, num_text: int, layout: GroupedImageAttentionLayou
     """Sparse causal attention for a whole sequence. q, k, v: ``[B, H, num_text + N, d]`` -> same shape."""
     b, h, _, d = q.shape
     groups, size, keys = layout.num_groups, layout.group_size, layout.keys_per_group
-    qt, kt, vt = q[:, :, :num_text], k[:, :, :num_text], v[:, :, :num_text]
+    parts = [num_text, q.shape[2] - num_text]
+    (qt, qi), (kt, ki), (vt, vi) = q.split(parts, dim=2), k.split(parts, dim=2), v.split(parts, dim=2)
     out_text = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
 
     def with_text(text_part, image_part):  # [B, H * groups, num_text + keys, d]; text repeated per group
@@ -162,12 +164,39 @@ def grouped_attention(q, k, v, num_text: int, layout: GroupedImageAttentionLayou
             b, h * groups, num_text + keys, d)
 
     # groups are folded into the batch-like head dim: 4-D inputs take SDPA's fused CPU kernel
-    queries = layout.group_queries(q[:, :, num_text:]).reshape(b, h * groups, size, d)
+    queries = layout.group_queries(qi).reshape(b, h * groups, size, d)
     out_image = F.scaled_dot_product_attention(
-        queries, with_text(kt, k[:, :, num_text:]), with_text(vt, v[:, :, num_text:]), attn_mask=layout.sdpa_mask(h)
+        queries, with_text(kt, ki), with_text(vt, vi), attn_mask=layout.sdpa_mask(h)
     )
     out_image = layout.ungroup(out_image.view(b, h, groups, size, d))
     return torch.cat([out_text, out_image], dim=2)
+
+
+def masked_attention(q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
+    """One fused SDPA over the whole sequence with a boolean ``[L, L]`` mask (None: plain causal)."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+ATTENTION_IMPLEMENTATIONS = ("dense", "grouped")
+
+
+def attention_function(impl: str, attn_type: str, num_text: int, grid_size: int, conv_kernel_size: int, device):
+    """``attend(q, k, v)`` for one layer type, with its mask or grouping tables built on ``device``.
+
+    ``dense``: one fused SDPA call with the ``dense_mask`` (``full`` layers use the causal flag). On CPUs the
+    fused kernel makes this as fast as or faster than ``grouped`` (which copies text keys into every group)
+    at the sizes we train, see tests/benchmarks/bench_dalle_train.py. ``grouped``: queries in rows/columns
+    attend to the text plus their own few image keys (fewer FLOPs as the grid grows).
+    """
+    if impl == "grouped":
+        layout = GroupedImageAttentionLayout(attn_type, num_text, grid_size, conv_kernel_size).to(device)
+        return functools.partial(grouped_attention, num_text=num_text, layout=layout)
+    if impl != "dense":
+        raise ValueError(f"unknown attention implementation {impl!r}; expected one of {ATTENTION_IMPLEMENTATIONS}")
+    mask = None if attn_type == "full" else dense_mask(attn_type, num_text, grid_size, conv_kernel_size).to(device)
+    return functools.partial(masked_attention, mask=mask)
 
 
 def rotary_tables(num_text: int, grid_size: int, dim_head: int, theta: float = 10000.0) -> torch.Tensor:
@@ -225,20 +254,26 @@ class Attention(nn.Module):
     def _project(self, x, rotations):
         """x ``[B, L, dim]`` -> q, k, v ``[B, H, L, d]``; rotary (``rotations [L, d/2]`` or None) on q and k."""
         qkv = self.to_qkv(x).unflatten(-1, (3, self.heads, self.dim_head))  # [B, L, 3, H, d]
-        v = qkv[:, :, 2].transpose(1, 2)
-        if rotations is None:
-            q, k = qkv[:, :, 0].transpose(1, 2), qkv[:, :, 1].transpose(1, 2)
-        else:  # one complex multiply rotates q and k together
-            q, k = apply_rotary(qkv[:, :, :2], rotations[:, None, None]).permute(2, 0, 3, 1, 4)
-        return q, k, v
+        qk, v = qkv.split([2, 1], dim=2)  # split, not slicing: its backward is one cat, not zeros + copies
+        if rotations is not None:  # one complex multiply rotates q and k together
+            qk = apply_rotary(qk, rotations[:, None, None])
+        q, k = qk.permute(2, 0, 3, 1, 4)
+        return q, k, v.squeeze(2).transpose(1, 2)
 
     def _merge(self, out):
         return self.to_out(out.transpose(1, 2).flatten(2))
 
-    def forward(self, x, num_text: int, layout: GroupedImageAttentionLayout, rotations=None):
-        """Whole-sequence attention. x ``[B, num_text + N, dim]``; rotations: ``rotary_tables`` or None."""
+    def forward(self, x, attend, rotations=None):
+        """Whole-sequence attention.
+
+        Args:
+            x: ``[B, num_text + N, dim]``.
+            attend: ``attend(q, k, v) -> out`` on ``[B, H, L, d]`` tensors, e.g. ``masked_attention`` or
+                ``grouped_attention`` with the layer's pattern bound (see ``attention_function``).
+            rotations: ``rotary_tables(...)`` on x's device, or None.
+        """
         q, k, v = self._project(x, rotations)
-        return self._merge(grouped_attention(q, k, v, num_text, layout))
+        return self._merge(attend(q, k, v))
 
     def forward_text(self, x, rotations=None, cache: LayerCache | None = None):
         """Causal attention over a text prefix ``[B, num_text, dim]``; stores its keys/values in ``cache``."""

@@ -39,7 +39,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recipes.dalle.attention import ATTENTION_TYPES, Attention, GroupedImageAttentionLayout, dense_mask, rotary_tables
+from recipes.dalle.attention import (
+    ATTENTION_IMPLEMENTATIONS,
+    ATTENTION_TYPES,
+    Attention,
+    attention_function,
+    dense_mask,
+    rotary_tables,
+)
 from recipes.dalle.decoding import DALLECache, IncrementalDecodingMixin
 from recipes.dalle.reversible import reversible_forward, reversible_forward_eager
 
@@ -69,6 +76,8 @@ class DALLEConfig:
         rotary_theta: rotary frequency base.
         ff_mult: feed-forward hidden width as a multiple of dim (GEGLU).
         image_loss_weight: weight w of the image loss in (text + w * image) / (1 + w).
+        attention_impl: ``dense`` (one fused masked SDPA per layer; fastest on CPU at our sizes) or ``grouped``
+            (image queries attend per row/column group to the text plus their own keys; fewer FLOPs).
     """
 
     dim: int = 512
@@ -88,6 +97,7 @@ class DALLEConfig:
     rotary_theta: float = 10000.0
     ff_mult: int = 4
     image_loss_weight: float = 7.0
+    attention_impl: str = "dense"
 
     def __post_init__(self):
         self.attn_types = tuple(self.attn_types)
@@ -115,6 +125,9 @@ class DALLEConfig:
             raise ValueError(f"rotary embeddings need an even dim_head, got {self.dim_head}")
         if self.rotary and self.dim_head < 6:
             raise ValueError(f"rotary embeddings need dim_head >= 6, got {self.dim_head}; or set rotary=False")
+        if self.attention_impl not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"DALLEConfig.attention_impl must be one of {ATTENTION_IMPLEMENTATIONS}, "
+                             f"got {self.attention_impl!r}")
         if self.image_loss_weight < 0:
             raise ValueError(f"DALLEConfig.image_loss_weight must be >= 0, got {self.image_loss_weight}")
 
@@ -223,14 +236,14 @@ class DALLE(IncrementalDecodingMixin, nn.Module):
 
     # ----- tables -----------------------------------------------------------------------------------
     def tables(self, device: torch.device) -> dict:
-        """Attention layouts, rotary rotations and dense reference masks on ``device`` (cached)."""
+        """Attention functions, rotary rotations and dense reference masks on ``device`` (cached)."""
         key = str(device)
         if key not in self._tables:
             c = self.config
-            tables = {"layouts": {}, "dense": {}}
+            tables = {"attend": {}, "dense": {}}
             for attn_type in set(self.layer_types):
-                layout = GroupedImageAttentionLayout(attn_type, c.num_text, c.image_grid_size, c.conv_kernel_size)
-                tables["layouts"][attn_type] = layout.to(device)
+                tables["attend"][attn_type] = attention_function(
+                    c.attention_impl, attn_type, c.num_text, c.image_grid_size, c.conv_kernel_size, device)
                 tables["dense"][attn_type] = None  # built on first decode
             if c.rotary:
                 tables["rotary"] = rotary_tables(c.num_text, c.image_grid_size, c.dim_head, c.rotary_theta).to(device)
@@ -316,7 +329,7 @@ class DALLE(IncrementalDecodingMixin, nn.Module):
         h = torch.cat([self._embed_text(self.text_tokens(text)), self._embed_image(image)], dim=1)
         tables = self.tables(h.device)
         def attend(i, block, x):
-            return block.attn(x, c.num_text, tables["layouts"][self.layer_types[i]], tables["rotary"])
+            return block.attn(x, tables["attend"][self.layer_types[i]], tables["rotary"])
 
         return self._run_layers(h, attend)
 
