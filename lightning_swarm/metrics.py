@@ -11,9 +11,11 @@ Both the publishing and the reading DHT must carry the validators: create the DH
 
 from __future__ import annotations
 
-from typing import Dict, List, Union
+import time
+from typing import Any, Dict, List, Union
 
 import hivemind
+import torch
 from hivemind.utils import get_dht_time
 import pydantic.v1 as pydantic  # hivemind's SchemaValidator works with pydantic v1 models
 from hivemind.dht.crypto import RSASignatureValidator
@@ -107,3 +109,47 @@ def fetch_metrics(dht: hivemind.DHT, run_id: str, latest: bool = True) -> Dict[b
         except pydantic.ValidationError:
             continue  # the validators already filter these; skip anything malformed defensively
     return records
+
+
+class SwarmStats:
+    """Counts what this peer contributes and measures the swarm's throughput from global epoch transitions."""
+
+    def __init__(self) -> None:
+        self.samples_contributed = 0
+        self.swarm_samples_per_second = 0.0
+        self._loss_sum, self._mini_steps = 0.0, 0
+        self._epoch, self._epoch_start = 0, None
+        self._last_publish = -float("inf")
+
+    def start(self, epoch: int) -> None:
+        """Begin measuring at `epoch`; the clock starts at the first local step."""
+        self._epoch, self._epoch_start = epoch, None
+
+    def record_step(self, batch_size: int, loss: Any, epoch: int, target_batch_size: int) -> None:
+        if self._epoch_start is None:
+            self._epoch_start = time.perf_counter()
+        self.samples_contributed += int(batch_size)
+        if loss is not None:
+            self._loss_sum += float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+            self._mini_steps += 1
+        if epoch > self._epoch:
+            # the swarm processed about target_batch_size samples per global epoch since the last transition
+            now = time.perf_counter()
+            self.swarm_samples_per_second = (epoch - self._epoch) * target_batch_size / max(now - self._epoch_start, 1e-6)
+            self._epoch, self._epoch_start = epoch, now
+
+    def due(self, interval: float) -> bool:
+        return time.perf_counter() - self._last_publish >= interval
+
+    def make_record(self, epoch: int, samples_per_second: float) -> swarm_metrics.LocalMetrics:
+        record = LocalMetrics(
+            step=int(epoch),
+            loss=float(self._loss_sum / max(self._mini_steps, 1)),
+            samples_per_second=float(max(samples_per_second, 0.0)),
+            samples_accumulated=int(self.samples_contributed),
+            mini_steps=int(self._mini_steps),
+            time=float(get_dht_time()),
+        )
+        self._loss_sum, self._mini_steps = 0.0, 0
+        self._last_publish = time.perf_counter()
+        return record

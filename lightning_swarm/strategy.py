@@ -24,7 +24,6 @@ import functools
 import inspect
 import logging
 import re
-import time
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import hivemind
@@ -36,6 +35,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_swarm import compression as swarm_compression  # also registers numpy-2.4-safe 8-bit decoders
 from lightning_swarm import metrics as swarm_metrics
 from lightning_swarm.grad_averager import SampleWeightedGradientAverager
 from lightning_swarm.peers import (
@@ -61,12 +61,7 @@ def resolve_compression(compression: Union[str, CompressionBase]) -> Compression
     if compression == "fp16":
         return Float16Compression()
     if compression == "adaptive":
-        try:
-            from lightning_swarm.compression import default_compression
-        except ImportError:  # pragma: no cover - only while the compression module is missing
-            rank_zero_warn("lightning_swarm.compression is unavailable; falling back to fp16 compression")
-            return Float16Compression()
-        return default_compression()
+        return swarm_compression.default_compression()
     raise ValueError(f"compression must be one of {COMPRESSION_CHOICES} or a hivemind CompressionBase, got {compression!r}")
 
 
@@ -228,7 +223,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         self._original_zero_grad: Optional[Callable] = None
         self._current_batch_size: Optional[int] = None
         self._pending_publications: List[Any] = []  # futures of background DHT stores, kept alive until done
-        self.stats = SwarmStats()
+        self.stats = swarm_metrics.SwarmStats()
 
     # ----------------------------------------------------------------------------------------------- public API
     @property
@@ -426,47 +421,3 @@ class HivemindStrategy(SingleDeviceStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         pass  # needs run_id and target_batch_size: not constructible from a bare name like "hivemind"
-
-
-class SwarmStats:
-    """Counts what this peer contributes and measures the swarm's throughput from global epoch transitions."""
-
-    def __init__(self) -> None:
-        self.samples_contributed = 0
-        self.swarm_samples_per_second = 0.0
-        self._loss_sum, self._mini_steps = 0.0, 0
-        self._epoch, self._epoch_start = 0, None
-        self._last_publish = -float("inf")
-
-    def start(self, epoch: int) -> None:
-        """Begin measuring at `epoch`; the clock starts at the first local step."""
-        self._epoch, self._epoch_start = epoch, None
-
-    def record_step(self, batch_size: int, loss: Any, epoch: int, target_batch_size: int) -> None:
-        if self._epoch_start is None:
-            self._epoch_start = time.perf_counter()
-        self.samples_contributed += int(batch_size)
-        if loss is not None:
-            self._loss_sum += float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
-            self._mini_steps += 1
-        if epoch > self._epoch:
-            # the swarm processed about target_batch_size samples per global epoch since the last transition
-            now = time.perf_counter()
-            self.swarm_samples_per_second = (epoch - self._epoch) * target_batch_size / max(now - self._epoch_start, 1e-6)
-            self._epoch, self._epoch_start = epoch, now
-
-    def due(self, interval: float) -> bool:
-        return time.perf_counter() - self._last_publish >= interval
-
-    def make_record(self, epoch: int, samples_per_second: float) -> swarm_metrics.LocalMetrics:
-        record = swarm_metrics.LocalMetrics(
-            step=int(epoch),
-            loss=float(self._loss_sum / max(self._mini_steps, 1)),
-            samples_per_second=float(max(samples_per_second, 0.0)),
-            samples_accumulated=int(self.samples_contributed),
-            mini_steps=int(self._mini_steps),
-            time=float(hivemind.utils.get_dht_time()),
-        )
-        self._loss_sum, self._mini_steps = 0.0, 0
-        self._last_publish = time.perf_counter()
-        return record
