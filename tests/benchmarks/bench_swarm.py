@@ -95,21 +95,24 @@ def bench_averaging(rounds: int = 3) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- throughput
-def bench_throughput(seconds: float = 45.0) -> None:
+TARGET = 16384  # samples per global epoch: several seconds of work between averaging rounds
+
+
+def bench_throughput(seconds: float = 60.0) -> None:
     from swarm_harness import Peer
 
-    model = {"in_dim": 512, "hidden": 2048, "lr": 0.01, "lr_decay": 1.0}
-    data = {"batch_size": 64, "in_dim": 512, "num_samples": 50_000}
+    model = {"in_dim": 1024, "hidden": 4096, "lr": 0.01, "lr_decay": 1.0}
+    data = {"batch_size": 64, "in_dim": 1024, "num_samples": 30_000}
     overlap = dict(delay_optimizer_step=True, delay_grad_averaging=True, delay_state_averaging=True,
                    matchmaking_time=2.0, averaging_timeout=30.0, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                    metrics_interval=5.0)
     recorder = {"stop_at_epoch": 100_000, "max_seconds": seconds}
-    params = (512 * 2048 + 2048 + 2048 + 1)
+    params = (1024 * 4096 + 4096 + 4096 + 1)
     print(f"== throughput: MLP with {params / 1e6:.2f}M parameters, batch 64, 1 torch thread per peer, "
-          f"{seconds:.0f} s of training per run")
+          f"{seconds:.0f} s of training per run, target_batch_size {TARGET}")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        alone = Peer(root, "alone", dict(run_id="bench_alone", target_batch_size=4096, **overlap), model=model,
+        alone = Peer(root, "alone", dict(run_id="bench_alone", target_batch_size=TARGET, **overlap), model=model,
                      data=data, recorder=recorder)
         try:
             alone.wait(timeout=seconds + 240)
@@ -121,13 +124,13 @@ def bench_throughput(seconds: float = 45.0) -> None:
               f"{end['epoch']} global epochs)", flush=True)
 
         barrier = dict(recorder, barrier_dir=str(root / "barrier"), barrier_count=2)
-        first = Peer(root, "first", dict(run_id="bench_pair", target_batch_size=4096, **overlap), model=model,
+        first = Peer(root, "first", dict(run_id="bench_pair", target_batch_size=TARGET, **overlap), model=model,
                      data=data, recorder=barrier)
         second = None
         try:
             join = first.join_peers(timeout=240)
-            second = Peer(root, "second", dict(run_id="bench_pair", target_batch_size=4096, initial_peers=join,
-                                               **overlap), model=model, data=dict(data, offset=50_000),
+            second = Peer(root, "second", dict(run_id="bench_pair", target_batch_size=TARGET, initial_peers=join,
+                                               **overlap), model=model, data=dict(data, offset=30_000),
                           recorder=barrier)
             for peer in (first, second):
                 peer.wait(timeout=seconds + 300)

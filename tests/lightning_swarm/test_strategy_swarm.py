@@ -3,6 +3,7 @@ of tests/lightning_swarm/peer_worker.py configured through YAML (trainer.strateg
 
 from __future__ import annotations
 
+import csv
 import math
 
 import pytest
@@ -43,7 +44,11 @@ def test_two_peers_train_together_with_different_batch_sizes(tmp_path, peers):
     averaging (fp16 wire compression), step the LR once per global epoch and publish metrics to the DHT."""
     recorder = {"stop_at_epoch": 3, "max_seconds": 90, "barrier_dir": str(tmp_path / "barrier"), "barrier_count": 2}
     common = dict(model={"step_delay": 0.02}, recorder=recorder)
-    first = Peer(tmp_path, "first", strategy_args("two", 96, compression="fp16"), data={"batch_size": 4}, **common)
+    csv_logger = {"logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                             "init_args": {"save_dir": str(tmp_path / "logs"), "name": "first"}},
+                  "log_every_n_steps": 1}
+    first = Peer(tmp_path, "first", strategy_args("two", 96, compression="fp16"), data={"batch_size": 4},
+                 trainer=csv_logger, **common)
     peers.append(first)
     join = first.join_peers()
     second = Peer(tmp_path, "second", strategy_args("two", 96, compression="fp16", initial_peers=join),
@@ -64,6 +69,12 @@ def test_two_peers_train_together_with_different_batch_sizes(tmp_path, peers):
         assert end["kind"] == "end" and end["metrics_steps"] and len(end["metrics_steps"]) == 2, end
     for epoch in (1, 2, 3):
         assert_close_params(first.params(epoch), second.params(epoch), atol=2e-3)
+    # the swarm's progress reached Lightning's loggers (SwarmProgress callback added by the strategy)
+    rows = list(csv.DictReader(open(next((tmp_path / "logs").rglob("metrics.csv")))))
+    assert max(float(row["swarm/epoch"] or 0) for row in rows) >= 2
+    assert max(float(row["swarm/peers"] or 0) for row in rows) == 2
+    assert max(float(row["swarm/samples_per_sec"] or 0) for row in rows) > 0
+    assert max(float(row["swarm/local_samples_per_sec"] or 0) for row in rows) > 0
     # parameters really moved away from the initialisation
     assert not torch.allclose(first.params(0)["net.0.weight"], first.params(3)["net.0.weight"])
 
