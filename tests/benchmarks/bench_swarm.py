@@ -8,6 +8,8 @@
    (delay_optimizer_step + delay_grad_averaging + delay_state_averaging).
 
 Run: python tests/benchmarks/bench_swarm.py [averaging|throughput|all]
+     BENCH_AVERAGE_STATE_EVERY=4 python tests/benchmarks/bench_swarm.py throughput   (state averaging every 4 epochs)
+The machine is shared (2 cores): run it when nothing else runs, the ratio moves a lot with background load.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ def bench_throughput(seconds: float = 60.0) -> None:
     data = {"batch_size": 64, "in_dim": 1024, "num_samples": 30_000}
     overlap = dict(delay_optimizer_step=True, delay_grad_averaging=True, delay_state_averaging=True,
                    matchmaking_time=2.0, averaging_timeout=30.0, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                   metrics_interval=5.0)
+                   metrics_interval=5.0, average_state_every=int(os.environ.get("BENCH_AVERAGE_STATE_EVERY", "1")))
     recorder = {"stop_at_epoch": 100_000, "max_seconds": seconds}
     params = (1024 * 4096 + 4096 + 4096 + 1)
     print(f"== throughput: MLP with {params / 1e6:.2f}M parameters, batch 64, 1 torch thread per peer, "
