@@ -68,9 +68,10 @@ def test_grouped_attention_equals_dense_masked_reference(attn_type, kernel):
     torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("reversible", [True, False])
-def test_changing_a_later_token_never_changes_an_earlier_logit(reversible):
-    config = small_config(attn_types=("full", "axial_row", "axial_col", "axial_row"), reversible=reversible)
+@pytest.mark.parametrize("reversible,attention_impl", [(True, "dense"), (False, "grouped")])
+def test_changing_a_later_token_never_changes_an_earlier_logit(reversible, attention_impl):
+    config = small_config(attn_types=("full", "axial_row", "axial_col", "axial_row"), reversible=reversible,
+                          attention_impl=attention_impl)
     model = DALLE(config).eval()
     text, image = batch(config)
     text_logits, image_logits = model(text, image)
@@ -89,6 +90,32 @@ def test_changing_a_later_token_never_changes_an_earlier_logit(reversible):
     torch.testing.assert_close(text_logits3[:, : changed_text + 1], text_logits[:, : changed_text + 1], atol=0, rtol=0)
     assert not torch.allclose(text_logits3[:, changed_text + 1 :], text_logits[:, changed_text + 1 :])
     assert not torch.allclose(image_logits3, image_logits)  # every image position sees all the text
+
+
+def test_dense_and_grouped_attention_give_the_same_model_outputs_and_gradients():
+    config = small_config(attn_types=("full", "axial_row", "axial_col", "axial_row"))  # last layer conv_like
+    dense = DALLE(config)
+    grouped = DALLE(small_config(attn_types=config.attn_types, attention_impl="grouped"))
+    grouped.load_state_dict(dense.state_dict())
+    text, image = batch(config)
+    dense_loss, grouped_loss = dense.compute_loss(text, image)["loss"], grouped.compute_loss(text, image)["loss"]
+    torch.testing.assert_close(dense_loss, grouped_loss)
+    dense_loss.backward()
+    grouped_loss.backward()
+    for (name, p), q in zip(dense.named_parameters(), grouped.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_rotary_positions_matter_for_image_tokens():
+    config = small_config(attn_types=("full",), last_layer_conv=False)
+    model = DALLE(config)
+    text, image = batch(config)
+    image[:, :3] = torch.tensor([1, 2, 1])
+    swapped = image.clone()
+    swapped[:, :3] = torch.tensor([2, 1, 1])  # same multiset of codes before position 3, different order
+    _, logits = model(text, image)
+    _, logits_swapped = model(text, swapped)
+    assert not torch.allclose(logits[:, 3], logits_swapped[:, 3])
 
 
 def test_reversible_backward_equals_plain_autograd_through_the_same_blocks(monkeypatch):
@@ -190,10 +217,10 @@ def test_a_few_steps_fit_a_fixed_batch():
 
 
 @pytest.mark.parametrize("attn_type", ATTENTION_TYPES)
-@pytest.mark.parametrize("reversible,rotary", [(True, True), (False, False)])
-def test_kv_cache_decoding_equals_full_forward(attn_type, reversible, rotary):
+@pytest.mark.parametrize("reversible,rotary,attention_impl", [(True, True, "dense"), (False, False, "grouped")])
+def test_kv_cache_decoding_equals_full_forward(attn_type, reversible, rotary, attention_impl):
     config = small_config(attn_types=(attn_type,), depth=3, last_layer_conv=attn_type == "conv_like",
-                          reversible=reversible, rotary=rotary, shared_layer_ids=(0, 1))
+                          reversible=reversible, rotary=rotary, shared_layer_ids=(0, 1), attention_impl=attention_impl)
     assert set(config.layer_attn_types()) == {attn_type}
     model = DALLE(config).eval()
     text, image = batch(config, batch_size=3)
@@ -229,6 +256,7 @@ def test_seed_1b_config_parameter_counts_on_meta():
     (dict(dim_head=4), "dim_head >= 6"),
     (dict(dim_head=15), "even dim_head"),
     (dict(depth=0), "depth must be >= 1"),
+    (dict(attention_impl="sparse"), "attention_impl must be one of"),
 ])
 def test_bad_configs_raise_value_error(overrides, message):
     with pytest.raises(ValueError, match=message):
