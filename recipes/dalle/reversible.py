@@ -35,11 +35,20 @@ class _ReversibleFunction(torch.autograd.Function):
         with torch.no_grad():
             y1, y2 = reversible_forward_eager(x1, x2, layers)
         ctx.layers, ctx.layer_params = layers, layer_params
+        # the backward recomputes f and g: under the same autocast state as this forward
+        ctx.device_type = x1.device.type
+        ctx.autocast = (torch.is_autocast_enabled(ctx.device_type), torch.get_autocast_dtype(ctx.device_type))
         ctx.save_for_backward(y1, y2, *params)
         return y1, y2
 
     @staticmethod
     def backward(ctx, dy1, dy2):
+        enabled, dtype = ctx.autocast
+        with torch.autocast(ctx.device_type, dtype=dtype, enabled=enabled):
+            return _ReversibleFunction._backward(ctx, dy1, dy2)
+
+    @staticmethod
+    def _backward(ctx, dy1, dy2):
         y1, y2, *params = ctx.saved_tensors
         param_grads: list[torch.Tensor | None] = [None] * len(params)
 

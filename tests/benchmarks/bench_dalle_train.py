@@ -4,7 +4,9 @@ bench-small: dim 256, depth 8, 4 heads of 64, text 64 tokens, 16x16 grid, 1024 c
 row/col/row/row with 4 shared blocks, reversible, rotary, batch 8, 2 threads (the config of
 /work/shared/peers/dalle_pytorch_anchor.py). Each measurement runs in a fresh subprocess; with
 ``--anchor-python`` ours and the anchor alternate ``--repeats`` times and the ratio of medians is printed
-(other processes share the cores, so single figures are noisy).
+(other processes share the cores, so single figures are noisy). Ours runs in fp32 (like the anchor) and,
+by default, also under bf16 autocast (``precision="bf16-mixed"`` in Lightning), which this machine's
+AVX512-BF16 CPU runs much faster.
 
     python tests/benchmarks/bench_dalle_train.py [--anchor-python /tmp/anchor-venv/bin/python] [--repeats 3]
 """
@@ -33,8 +35,10 @@ def bench_small_config(**overrides):
     return DALLEConfig(**values)
 
 
-def worker(threads: int, batch_size: int, steps: int, sample: bool) -> dict:
+def worker(threads: int, batch_size: int, steps: int, sample: bool, precision: str) -> dict:
     """Measure in this process: training samples/s (fwd + bwd + AdamW) and seconds to sample one image."""
+    import contextlib
+
     import torch
 
     from recipes.dalle.model import DALLE
@@ -47,8 +51,14 @@ def worker(threads: int, batch_size: int, steps: int, sample: bool) -> dict:
     text = torch.randint(1, config.text_vocab_size, (batch_size, config.text_seq_len))
     image = torch.randint(0, config.image_vocab_size, (batch_size, config.num_image))
 
+    def autocast():  # bf16-mixed: what Lightning's precision="bf16-mixed" does on the CPU
+        if precision == "bf16-mixed":
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     def step():
-        loss = model.compute_loss(text, image)["loss"]
+        with autocast():
+            loss = model.compute_loss(text, image)["loss"]
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -63,7 +73,7 @@ def worker(threads: int, batch_size: int, steps: int, sample: bool) -> dict:
     if sample:
         model.eval()
         start = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), autocast():
             cache = model.new_cache(1)
             logits = model.prefill(text[:1], cache)
             for _ in range(config.num_image - 1):
@@ -75,9 +85,10 @@ def worker(threads: int, batch_size: int, steps: int, sample: bool) -> dict:
     return result
 
 
-def run_ours(args) -> dict:
+def run_ours(args, precision: str) -> dict:
     command = [sys.executable, __file__, "--worker", "--threads", str(args.threads), "--batch-size",
-               str(args.batch_size), "--steps", str(args.steps)] + ([] if args.no_sample else ["--sample"])
+               str(args.batch_size), "--steps", str(args.steps), "--precisions", precision]
+    command += [] if args.no_sample else ["--sample"]
     out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -100,29 +111,37 @@ def main():
     parser.add_argument("--repeats", type=int, default=2, help="measurements of each side, alternating")
     parser.add_argument("--anchor-python", default=None, help="python of a venv with dalle-pytorch==1.6.6")
     parser.add_argument("--no-sample", action="store_true", help="skip timing one image sample")
+    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16-mixed"], choices=["fp32", "bf16-mixed"],
+                        help="our precisions to measure (the anchor always runs fp32)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--sample", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.threads, args.batch_size, args.steps, args.sample)))
+        print(json.dumps(worker(args.threads, args.batch_size, args.steps, args.sample, args.precisions[0])))
         return
-    ours, anchor = [], []
+    ours = {precision: [] for precision in args.precisions}
+    anchor = []
     for repeat in range(args.repeats):
-        ours.append(run_ours(args))
-        print(f"[{repeat}] ours:   " + " ".join(f"{k}={v:.3f}" for k, v in ours[-1].items()), flush=True)
+        for precision in args.precisions:
+            ours[precision].append(run_ours(args, precision))
+            figures = " ".join(f"{k}={v:.3f}" for k, v in ours[precision][-1].items())
+            print(f"[{repeat}] ours {precision}: {figures}", flush=True)
         if args.anchor_python:
             anchor.append(run_anchor(args))
-            print(f"[{repeat}] anchor: " + " ".join(f"{k}={v:.3f}" for k, v in anchor[-1].items()), flush=True)
-    ours_median = statistics.median(r["samples_per_s"] for r in ours)
-    print(f"ours   train samples/s (median of {len(ours)}) = {ours_median:.2f}")
-    if not args.no_sample:
-        print(f"ours   sample one image with KV cache s (median) = {statistics.median(r['sample_s'] for r in ours):.2f}")
+            print(f"[{repeat}] anchor fp32: " + " ".join(f"{k}={v:.3f}" for k, v in anchor[-1].items()), flush=True)
+    anchor_median = statistics.median(r["samples_per_s"] for r in anchor) if anchor else None
+    for precision, results in ours.items():
+        median = statistics.median(r["samples_per_s"] for r in results)
+        print(f"ours {precision}: train samples/s (median of {len(results)}) = {median:.2f}")
+        if not args.no_sample:
+            sample_median = statistics.median(r["sample_s"] for r in results)
+            print(f"ours {precision}: sample one image with KV cache s (median) = {sample_median:.2f}")
+        if anchor_median:
+            print(f"throughput ratio ours {precision} / anchor fp32 = {median / anchor_median:.2f}x")
     if anchor:
-        anchor_median = statistics.median(r["samples_per_s"] for r in anchor)
-        print(f"anchor train samples/s (median of {len(anchor)}) = {anchor_median:.2f}")
+        print(f"anchor fp32: train samples/s (median of {len(anchor)}) = {anchor_median:.2f}")
         if all("sample_s" in r for r in anchor):
-            print(f"anchor sample one image s (median) = {statistics.median(r['sample_s'] for r in anchor):.2f}")
-        print(f"throughput ratio ours/anchor = {ours_median / anchor_median:.2f}x")
+            print(f"anchor fp32: sample one image s (median) = {statistics.median(r['sample_s'] for r in anchor):.2f}")
 
 
 if __name__ == "__main__":

@@ -271,3 +271,20 @@ def test_wrong_input_shapes_raise_value_error():
         model(text[:, :4], image)
     with pytest.raises(ValueError, match="image has 24 codes"):
         model(text, image[:, :24])
+
+
+def test_reversible_recomputation_under_bf16_autocast_matches_eager(monkeypatch):
+    config = small_config(reversible=True)
+    model = DALLE(config)
+    text, image = batch(config)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model.compute_loss(text, image)["loss"]
+    loss.backward()
+    recomputed = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    monkeypatch.setattr("recipes.dalle.model.reversible_forward", lambda x1, x2, layers, _: reversible_forward_eager(x1, x2, layers))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager_loss = model.compute_loss(text, image)["loss"]
+    eager_loss.backward()
+    for name, p in model.named_parameters():  # bf16 matmuls: the backward must recompute in bf16 too
+        torch.testing.assert_close(recomputed[name], p.grad, atol=1e-5, rtol=1e-3, msg=name)
