@@ -41,7 +41,7 @@ def test_fit_runs_end_to_end_and_writes_loadable_checkpoints(tmp_path):
 def test_mismatched_text_length_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="text_seq_len"):
         main(["fit", *TINY, "--trainer.default_root_dir", str(tmp_path / "run"),
-              "--data.init_args.data_dir", str(tmp_path / "data"), "--data.init_args.text_seq_len", "16"])
+              "--data.init_args.data_dir", str(tmp_path / "data"), "--data.init_args.text_seq_len", "24"])
 
 
 def test_bad_module_options_are_rejected():
