@@ -205,15 +205,15 @@ def test_a_few_steps_fit_a_fixed_batch():
     config = small_config(reversible=True)
     model = DALLE(config)
     text, image = batch(config, batch_size=4)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     first = None
-    for _ in range(30):
+    for _ in range(15):
         loss = model.compute_loss(text, image)["loss"]
         first = first if first is not None else loss.item()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    assert loss.item() < 0.5 * first
+    assert loss.item() < 0.75 * first
 
 
 @pytest.mark.parametrize("attn_type", ATTENTION_TYPES)
