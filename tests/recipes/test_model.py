@@ -11,6 +11,15 @@ from recipes.dalle.model import DALLE, DALLEConfig
 from recipes.dalle.reversible import reversible_forward, reversible_forward_eager
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These models are tiny: one thread avoids OpenMP barrier stalls when other processes share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def small_config(**overrides) -> DALLEConfig:
     values = dict(dim=32, depth=5, heads=2, dim_head=16, text_vocab_size=50, text_seq_len=5, image_vocab_size=12,
                   image_grid_size=5, attn_types=("axial_row", "axial_col", "axial_row", "axial_row"),
