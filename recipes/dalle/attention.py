@@ -11,11 +11,19 @@ in raster order (the "image part", ``N = G * G``). Who may attend to whom (``den
     - ``axial_col``: cells (r', c) with r' <= r   (earlier-or-same in its column);
     - ``conv_like``: cells in the k x k window centred on (r, c) that are at or before (r, c) in raster order.
 
-The training path never builds the (T+N)^2 mask: text queries run one causal SDPA over the text part, and
-image queries are gathered into groups (a row, a column, or a row with the rows above it for conv_like) that
-attend to the text keys plus a small gathered set of image keys. ``GroupedImageAttentionLayout`` holds the
-index tables for this; tests check it against ``dense_mask``. Step-by-step decoding uses the dense mask row
-of the current position over the cached keys, so it matches the full forward by construction.
+Two implementations of the whole-sequence pass (``attention_function``), equal up to rounding (tested):
+
+- ``dense`` (default): one fused ``scaled_dot_product_attention`` call per layer with the layer's boolean
+  ``dense_mask``. On this CPU the fused kernel is as fast as or faster than ``grouped`` at the sizes we
+  train (bench-small and even a 32x32 grid with 256 text tokens), because ``grouped`` must copy the text keys
+  into every group; attention is only ~12% of a layer's FLOPs at these widths anyway.
+- ``grouped``: text queries run one causal SDPA over the text part; image queries are split into groups (a
+  row, a column, or a row plus the rows above it for conv_like) that attend to the text keys plus their own
+  few image keys (``GroupedImageAttentionLayout``), never building the (T+N)^2 mask: fewer FLOPs and less
+  memory as the grid grows.
+
+Step-by-step decoding uses the dense mask row of the current position over the cached keys, so it matches
+the full forward by construction.
 """
 
 from __future__ import annotations
