@@ -5,7 +5,7 @@
 
 For each of the first `num-captions` distinct validation captions (about half name a colour+shape pair
 never seen in training), sample `num-candidates` images and judge each with `recipes.shapes.check_caption`.
-Reported per subset (all, held-out pairs, seen pairs):
+Reported per subset (all; captions naming a held-out colour+shape pair; the others):
 - random_acc: accuracy of a random candidate (the mean correctness over all candidates),
 - clip_top1_acc: accuracy of the candidate CLIP scores highest,
 - best_of_n: share of captions with at least one correct candidate (the ceiling of any reranker),
@@ -101,13 +101,13 @@ def format_table(report: dict[str, dict]) -> str:
 
 def evaluate(dalle: LoadedDALLE, reranker: CLIPReranker, num_captions: int = 32, num_candidates: int = 16,
              data_seed: int = 0, **kwargs) -> dict[str, dict]:
-    """Run the benchmark; returns {"all": ..., "held_out": ..., "seen_pairs": ...} rows of `summarize`.
+    """Run the benchmark; returns {"all": ..., "held_out": ..., "not_held_out": ...} rows of `summarize`.
     `kwargs` are those of `score_candidates` (batch_size, seed, sampling arguments)."""
     items = validation_captions(num_captions, data_seed)
     correct, scores = score_candidates(dalle, reranker, [c for c, _ in items], num_candidates, **kwargs)
     held_out = torch.tensor([h for _, h in items])
     report = {"all": summarize(correct, scores)}
-    for name, mask in (("held_out", held_out), ("seen_pairs", ~held_out)):
+    for name, mask in (("held_out", held_out), ("not_held_out", ~held_out)):
         if mask.any():
             report[name] = summarize(correct[mask], scores[mask])
     return report
