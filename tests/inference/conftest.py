@@ -58,11 +58,3 @@ def tiny_clip_dir(tmp_path_factory):
     return directory
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tests run tiny models: one thread avoids the OpenMP barrier stalls that make a second thread
-    10-50x slower when other processes hold the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

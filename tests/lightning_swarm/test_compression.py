@@ -27,15 +27,6 @@ from lightning_swarm.compression import (
 WORKER = Path(__file__).with_name("averaging_worker.py")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # bitsandbytes' CPU kernels use OpenMP; on a busy 2-core machine extra threads only add waiting
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def sample(kind: str, numel: int = 2**17) -> torch.Tensor:
     generator = torch.Generator().manual_seed(0)
     if kind == "gauss":

@@ -47,15 +47,6 @@ HYPER = dict(lr=0.003, betas=(0.9, 0.96), eps=1e-6, weight_decay=0.01, clamp_val
              bias_correction=True)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # bitsandbytes' CPU kernels use OpenMP; on tiny tensors and a busy machine extra threads only add waiting
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def make_problem():
     """Linear regression: a 64 -> 32 layer (2048 weights, 32 biases) fitting a noisy linear map."""
     generator = torch.Generator().manual_seed(0)

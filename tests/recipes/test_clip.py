@@ -17,14 +17,6 @@ TINY = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models; a second thread only adds OpenMP stalls on a busy machine
-    yield
-    torch.set_num_threads(threads)
-
-
 def differences(a: dict, b: dict) -> int:
     count = sum(a.get(k) != b.get(k) for k in ("size", "relation"))
     for x, y in zip(a["objects"], b["objects"]):
