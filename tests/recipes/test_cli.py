@@ -24,6 +24,7 @@ TINY = [
 
 def test_fit_runs_end_to_end_and_writes_loadable_checkpoints(tmp_path):
     cli = main(["fit", *TINY, "--trainer.default_root_dir", str(tmp_path / "run"),
+                "--trainer.callbacks.init_args.dirpath", str(tmp_path / "run" / "checkpoints"),
                 "--data.init_args.data_dir", str(tmp_path / "data")])
     assert cli.trainer.global_step == 4
     assert cli.model.initial_val_image_loss is not None  # measured by the sanity check at step 0
@@ -41,6 +42,7 @@ def test_fit_runs_end_to_end_and_writes_loadable_checkpoints(tmp_path):
 def test_mismatched_text_length_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="text_seq_len"):
         main(["fit", *TINY, "--trainer.default_root_dir", str(tmp_path / "run"),
+              "--trainer.callbacks.init_args.dirpath", str(tmp_path / "run" / "checkpoints"),
               "--data.init_args.data_dir", str(tmp_path / "data"), "--data.init_args.text_seq_len", "24"])
 
 
