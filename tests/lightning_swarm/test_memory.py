@@ -213,7 +213,7 @@ def test_named_model_sharing_removes_layer_weights():
 # or more with mmap, so that RSS follows live tensor memory instead of what the heap keeps after frees
 # (with the default dynamic threshold the same step measures ~35% more, all of it allocator retention).
 PROBE = '''
-import gc, json, os, resource, sys
+import gc, json, os, sys
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -274,10 +274,14 @@ cfg = json.loads(sys.argv[1])
 torch.set_num_threads(1)
 train(TinyGPT(cfg["vocab"], 64, 1, cfg["heads"], 16), 2, 16, cfg["vocab"], 2)  # load kernels, thread pools
 gc.collect()
+# ru_maxrss would include peaks from before this point (imports); reset the high-water mark (Linux)
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
 before = rss()
 model = TinyGPT(cfg["vocab"], cfg["dim"], cfg["depth"], cfg["heads"], cfg["seq_len"])
 train(model, cfg["batch"], cfg["seq_len"], cfg["vocab"], 2)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+with open("/proc/self/status") as f:
+    peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 print(json.dumps({"peak_delta": peak - before, "sizes": [p.numel() for p in model.parameters()]}))
 '''
 
