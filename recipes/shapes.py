@@ -283,8 +283,8 @@ def check_caption(caption: str, codes: np.ndarray | torch.Tensor) -> bool:
             return False
         matched.append(max(candidates, key=lambda b: b["cells"]))
     if wanted["kind"] == "single":
-        return matched[0]["size"] == wanted["size"]
-    return _relation_holds(wanted["relation"], matched[0]["centre"], matched[1]["centre"])
+        return bool(matched[0]["size"] == wanted["size"])
+    return bool(_relation_holds(wanted["relation"], matched[0]["centre"], matched[1]["centre"]))
 
 
 # ---------------------------------------------------------------- writing shards
