@@ -320,7 +320,9 @@ class DALLEDataModule(LightningDataModule):
             self._held_out = frozenset((row.get("caption"), row.get("code")) for row in val)
         else:
             val = self._select_columns(val)
-        self._train_rows = train.shuffle(seed=self.seed, buffer_size=hp.shuffle_buffer)
+        # max_buffer_input_shards=1: datasets 5.x fills the buffer from several shards through a thread pool
+        # whose shutdown can deadlock when Lightning restarts the stream; shard order is still shuffled.
+        self._train_rows = train.shuffle(seed=self.seed, buffer_size=hp.shuffle_buffer, max_buffer_input_shards=1)
         self._val_rows = val
 
     @staticmethod
