@@ -46,6 +46,7 @@ from lightning_swarm.peers import (
     resolve_initial_peers,
 )
 from lightning_swarm.scheduler import GlobalEpochScheduler, rebind_scheduler
+from lightning_swarm.tracker import SwarmOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +109,12 @@ class HivemindStrategy(SingleDeviceStrategy):
         average_state_every: average parameters/optimizer state every this many global epochs.
         compression: codec for gradients and state on the wire: ``"adaptive"`` (8-bit for big tensors, fp16
             otherwise), ``"fp16"``, ``"none"``, or a hivemind ``CompressionBase``.
+        load_state_compression: codec of the state a joining peer downloads (same choices). Default ``"fp16"``:
+            a newcomer should start from the swarm's parameters, not from an 8-bit rounding of them.
         averager_opts: extra keyword arguments for hivemind's averagers (e.g. ``{"request_timeout": 1.0}``).
-        tracker_opts: extra keyword arguments for hivemind's ProgressTracker (e.g. ``{"max_refresh_period": 2}``).
+        tracker_opts: extra keyword arguments for hivemind's ProgressTracker (e.g. ``{"max_refresh_period": 2}``),
+            plus ``min_report_interval`` (default 1 s): this peer publishes its progress to the DHT at most
+            that often, instead of once per local step (see :mod:`lightning_swarm.tracker`).
         publish_metrics: publish this peer's metrics to the DHT (for a monitoring peer), see
             :mod:`lightning_swarm.metrics`.
         metrics_interval: seconds between two metric publications.
@@ -146,6 +151,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         reuse_grad_buffers: bool = False,
         average_state_every: int = 1,
         compression: Union[str, CompressionBase] = "adaptive",
+        load_state_compression: Union[str, CompressionBase] = "fp16",
         averager_opts: Optional[Dict[str, Any]] = None,
         tracker_opts: Optional[Dict[str, Any]] = None,
         publish_metrics: bool = True,
@@ -186,8 +192,9 @@ class HivemindStrategy(SingleDeviceStrategy):
             raise ValueError("use_auto_relay=True requires use_relay=True")
         if isinstance(average_state_every, bool) or not isinstance(average_state_every, int) or average_state_every < 1:
             raise ValueError(f"average_state_every must be an integer >= 1, got {average_state_every!r}")
-        if isinstance(compression, str) and compression not in COMPRESSION_CHOICES:
-            raise ValueError(f"compression must be one of {COMPRESSION_CHOICES}, got {compression!r}")
+        for name, value in dict(compression=compression, load_state_compression=load_state_compression).items():
+            if isinstance(value, str) and value not in COMPRESSION_CHOICES:
+                raise ValueError(f"{name} must be one of {COMPRESSION_CHOICES}, got {value!r}")
 
         self.run_id = run_id
         self.target_batch_size = target_batch_size
@@ -197,7 +204,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.identity_path = identity_path
         self.client_mode = client_mode
         self.use_relay, self.use_auto_relay = use_relay, use_auto_relay
-        self.compression = compression
+        self.compression, self.load_state_compression = compression, load_state_compression
         self.reuse_grad_buffers = reuse_grad_buffers
         self.publish_metrics, self.metrics_interval = publish_metrics, metrics_interval
         self.log_progress = log_progress
@@ -325,7 +332,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             rebind_scheduler(user_scheduler, optimizer)  # fail early (e.g. ReduceLROnPlateau) with a clear message
 
         compression = resolve_compression(self.compression)
-        self._optimizer = hivemind.Optimizer(
+        self._optimizer = SwarmOptimizer(
             dht=self._dht,
             run_id=self.run_id,
             target_batch_size=self.target_batch_size,
@@ -338,7 +345,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             client_mode=None,  # derived from the DHT, which knows whether we are in client mode
             grad_compression=compression,
             state_averaging_compression=compression,
-            load_state_compression=compression,
+            load_state_compression=resolve_compression(self.load_state_compression),
             **self._hivemind_kwargs,
         )
         self.optimizers = [self._optimizer]

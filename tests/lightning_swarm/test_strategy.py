@@ -35,6 +35,7 @@ PEER = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWArQAx4zYSmHJMxr7inBhM9DWVPcPa8S6Soo
         (dict(use_auto_relay=True, use_relay=False), "use_relay"),
         (dict(matchmaking_time=10.0, averaging_timeout=5.0), "larger than matchmaking_time"),
         (dict(compression="zip"), "compression"),
+        (dict(load_state_compression="8bit"), "load_state_compression"),
         (dict(average_state_every=0), "average_state_every"),
     ],
 )

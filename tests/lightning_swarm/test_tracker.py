@@ -1,0 +1,88 @@
+"""ThrottledProgressTracker: exact local bookkeeping, few DHT stores, latest progress still published."""
+
+from __future__ import annotations
+
+import time
+
+import hivemind
+import pytest
+
+from lightning_swarm.tracker import ThrottledProgressTracker
+
+
+@pytest.fixture
+def dht():
+    node = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    yield node
+    node.shutdown()
+
+
+def _published(tracker: ThrottledProgressTracker):
+    """(epoch, samples_accumulated) this peer's record in the DHT holds, or None."""
+    found = tracker.dht.get(tracker.training_progress_key, latest=True)
+    if found is None:
+        return None
+    record = found.value[tracker._local_public_key].value
+    return record["epoch"], record["samples_accumulated"]
+
+
+def _wait_for(predicate, timeout: float) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if predicate():
+            return time.monotonic() - start
+        time.sleep(0.05)
+    raise TimeoutError
+
+
+def _counting_stores(tracker):
+    """Count the tracker's DHT stores (the real store still runs)."""
+    calls = []
+    real_store = tracker.dht.store
+
+    def store(*args, **kwargs):
+        calls.append(kwargs.get("value"))
+        return real_store(*args, **kwargs)
+
+    tracker.dht.store = store
+    return calls
+
+
+def test_reports_are_throttled_but_the_latest_progress_is_published(dht):
+    tracker = ThrottledProgressTracker(dht=dht, prefix="throttle", target_batch_size=10_000,
+                                       min_report_interval=0.5, start=True)
+    try:
+        stores = _counting_stores(tracker)
+        tracker.report_local_progress(0, 8)  # first report after a while: published at once
+        for step in range(2, 101):  # 99 more steps in well under one interval
+            tracker.report_local_progress(0, 8 * step)
+        # local bookkeeping is exact on every call: the epoch must end exactly at target_batch_size
+        assert tracker.local_progress.samples_accumulated == 800
+        assert tracker.global_progress.samples_accumulated == 800
+        _wait_for(lambda: _published(tracker) == (0, 800), timeout=5)
+        assert 1 <= len([v for v in stores if v is not None]) <= 3, f"{len(stores)} DHT stores for 100 reports"
+    finally:
+        tracker.shutdown(timeout=5)
+
+
+def test_a_new_epoch_is_published_at_once(dht):
+    tracker = ThrottledProgressTracker(dht=dht, prefix="throttle_epoch", target_batch_size=100,
+                                       min_report_interval=30.0, start=True)
+    try:
+        tracker.report_local_progress(0, 60)
+        _wait_for(lambda: _published(tracker) == (0, 60), timeout=5)
+        tracker.report_local_progress(0, 120)  # throttled: the next report is due in 30 s
+        time.sleep(0.5)
+        assert _published(tracker) == (0, 60)
+        assert tracker.ready_to_update_epoch
+        with tracker.pause_updates():
+            tracker.update_epoch(1)
+        waited = _wait_for(lambda: _published(tracker) == (1, 0), timeout=10)
+        assert waited < 10 < 30
+    finally:
+        tracker.shutdown(timeout=5)
+
+
+def test_negative_interval_is_rejected(dht):
+    with pytest.raises(ValueError, match="min_report_interval"):
+        ThrottledProgressTracker(dht=dht, prefix="bad", target_batch_size=1, min_report_interval=-1, start=False)
