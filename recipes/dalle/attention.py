@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from recipes.dalle.cpu_linear import linear
+
 ATTENTION_TYPES = ("full", "axial_row", "axial_col", "conv_like")
 
 
@@ -261,7 +263,7 @@ class Attention(nn.Module):
 
     def _project(self, x, rotations):
         """x ``[B, L, dim]`` -> q, k, v ``[B, H, L, d]``; rotary (``rotations [L, d/2]`` or None) on q and k."""
-        qkv = self.to_qkv(x).unflatten(-1, (3, self.heads, self.dim_head))  # [B, L, 3, H, d]
+        qkv = linear(x, self.to_qkv.weight).unflatten(-1, (3, self.heads, self.dim_head))  # [B, L, 3, H, d]
         qk, v = qkv.split([2, 1], dim=2)  # split, not slicing: its backward is one cat, not zeros + copies
         if rotations is not None:  # one complex multiply rotates q and k together
             qk = apply_rotary(qk, rotations[:, None, None])
@@ -269,7 +271,7 @@ class Attention(nn.Module):
         return q, k, v.squeeze(2).transpose(1, 2)
 
     def _merge(self, out):
-        return self.to_out(out.transpose(1, 2).flatten(2))
+        return linear(out.transpose(1, 2).flatten(2), self.to_out.weight, self.to_out.bias)
 
     def forward(self, x, attend, rotations=None):
         """Whole-sequence attention.

@@ -47,6 +47,7 @@ from recipes.dalle.attention import (
     dense_mask,
     rotary_tables,
 )
+from recipes.dalle.cpu_linear import linear
 from recipes.dalle.decoding import DALLECache, IncrementalDecodingMixin
 from recipes.dalle.reversible import reversible_forward, reversible_forward_eager
 
@@ -175,8 +176,8 @@ class FeedForward(nn.Module):
         self.proj_out = nn.Linear(mult * dim, dim)
 
     def forward(self, x):
-        a, gate = self.proj_in(x).chunk(2, dim=-1)
-        return self.proj_out(a * F.gelu(gate))
+        a, gate = linear(x, self.proj_in.weight, self.proj_in.bias).chunk(2, dim=-1)
+        return linear(a * F.gelu(gate), self.proj_out.weight, self.proj_out.bias)
 
 
 class Block(nn.Module):
@@ -287,10 +288,10 @@ class DALLE(IncrementalDecodingMixin, nn.Module):
         return h
 
     def _text_logits(self, h):
-        return F.linear(self.final_norm(h), self.text_emb.weight, self.text_logits_bias)
+        return linear(self.final_norm(h), self.text_emb.weight, self.text_logits_bias)
 
     def _image_logits(self, h):
-        return F.linear(self.final_norm(h), self.image_emb.weight, self.image_logits_bias)
+        return linear(self.final_norm(h), self.image_emb.weight, self.image_logits_bias)
 
     # ----- layers -----------------------------------------------------------------------------------
     def _branches(self, attend):

@@ -1,0 +1,64 @@
+"""oneDNN fp32 linear: same values and gradients as F.linear (to fp32 rounding), fallbacks where it must not run."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from recipes.dalle.cpu_linear import linear, onednn_available, use_onednn
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN")
+
+
+def reference(x, weight, bias):
+    """F.linear in float64: the exact result both fp32 paths approximate."""
+    out = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    return out
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape,out_features,with_bias", [((3, 7, 16), 24, True), ((40, 64), 300, False),
+                                                          ((2, 5, 1, 32), 8, True)])
+def test_values_and_gradients_match_float64_like_f_linear(shape, out_features, with_bias):
+    torch.manual_seed(0)
+    x = torch.randn(*shape, requires_grad=True)
+    weight = torch.randn(out_features, shape[-1], requires_grad=True)
+    bias = torch.randn(out_features, requires_grad=True) if with_bias else None
+    grad_out = torch.randn(*shape[:-1], out_features)
+    inputs = [t for t in (x, weight, bias) if t is not None]
+
+    out = linear(x, weight, bias)
+    assert out.grad_fn is not None and "OneDNN" in type(out.grad_fn).__name__  # the oneDNN path really ran
+    grads = torch.autograd.grad(out, inputs, grad_out)
+    x64 = [t.detach().double().requires_grad_() for t in inputs]
+    out64 = reference(x64[0], x64[1], x64[2] if with_bias else None)
+    grads64 = torch.autograd.grad(out64, x64, grad_out.double())
+
+    assert out.dtype == torch.float32 and out.shape == out64.shape
+    for ours, exact in zip((out, *grads), (out64, *grads64)):
+        assert ours.shape == exact.shape
+        scale = exact.abs().max().item()
+        assert (ours.double() - exact).abs().max().item() <= 1e-5 * scale  # fp32 rounding, no TF32/BF16
+
+
+@needs_onednn
+def test_only_the_needed_gradients_are_computed_and_noncontiguous_inputs_work():
+    torch.manual_seed(0)
+    x = torch.randn(16, 6, 10).transpose(0, 1)  # not contiguous
+    weight = torch.randn(12, 10, requires_grad=True)
+    out = linear(x, weight)
+    (grad_weight,) = torch.autograd.grad(out.square().sum(), [weight])
+    expected = torch.autograd.grad(F.linear(x, weight).square().sum(), [weight])[0]
+    torch.testing.assert_close(grad_weight, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_falls_back_to_f_linear_under_autocast_for_other_dtypes_and_when_disabled():
+    x, weight = torch.randn(4, 8, requires_grad=True), torch.randn(3, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = linear(x, weight)
+    assert out.dtype == torch.bfloat16  # autocast's own casting applied
+    out = linear(x.double(), weight.double())
+    assert out.dtype == torch.float64 and "OneDNN" not in type(out.grad_fn).__name__
+    with use_onednn(False):
+        out = linear(x, weight)
+    assert "OneDNN" not in type(out.grad_fn).__name__
+    torch.testing.assert_close(out, F.linear(x, weight))
