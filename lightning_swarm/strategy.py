@@ -109,8 +109,9 @@ class HivemindStrategy(SingleDeviceStrategy):
         average_state_every: average parameters/optimizer state every this many global epochs.
         compression: codec for gradients and state on the wire: ``"adaptive"`` (8-bit for big tensors, fp16
             otherwise), ``"fp16"``, ``"none"``, or a hivemind ``CompressionBase``.
-        load_state_compression: codec of the state a joining peer downloads (same choices). Default ``"fp16"``:
-            a newcomer should start from the swarm's parameters, not from an 8-bit rounding of them.
+        load_state_compression: codec of the state a joining peer downloads (same choices). Default ``"none"``:
+            a newcomer starts from exactly the swarm's parameters, not from a rounding of them (it is one
+            download per join; use ``"fp16"`` to halve it).
         averager_opts: extra keyword arguments for hivemind's averagers (e.g. ``{"request_timeout": 1.0}``).
         tracker_opts: extra keyword arguments for hivemind's ProgressTracker (e.g. ``{"max_refresh_period": 2}``),
             plus ``min_report_interval`` (default 1 s): this peer publishes its progress to the DHT at most
@@ -151,7 +152,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         reuse_grad_buffers: bool = False,
         average_state_every: int = 1,
         compression: Union[str, CompressionBase] = "adaptive",
-        load_state_compression: Union[str, CompressionBase] = "fp16",
+        load_state_compression: Union[str, CompressionBase] = "none",
         averager_opts: Optional[Dict[str, Any]] = None,
         tracker_opts: Optional[Dict[str, Any]] = None,
         publish_metrics: bool = True,
