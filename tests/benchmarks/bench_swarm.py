@@ -5,7 +5,8 @@
    /work/shared/peers/hivemind_averaging_anchor.py run the same way (if present).
 2. throughput: one peer's samples/s inside a 2-peer HivemindStrategy swarm divided by its samples/s alone, same
    model, batch and thread count (1 torch thread per peer), with the overlap options
-   (delay_optimizer_step + delay_grad_averaging + delay_state_averaging).
+   (delay_optimizer_step + delay_grad_averaging + delay_state_averaging). "Alone" is measured twice: one peer
+   on the machine, and two unrelated one-peer runs side by side (the same machine load as the 2-peer swarm).
 
 Run: python tests/benchmarks/bench_swarm.py [averaging|throughput|all]
      BENCH_AVERAGE_STATE_EVERY=4 python tests/benchmarks/bench_swarm.py throughput   (state averaging every 4 epochs)
@@ -100,7 +101,9 @@ def bench_averaging(rounds: int = 3) -> None:
 TARGET = 16384  # samples per global epoch: several seconds of work between averaging rounds
 
 
-def bench_throughput(seconds: float = 60.0) -> None:
+def _run_peers(root: Path, specs: list, seconds: float, join: bool) -> list:
+    """Start peers (name, run_id, data offset), the later ones joining the first if `join`; return their
+    samples/s over the timed window (all peers start timing together, at a barrier)."""
     from swarm_harness import Peer
 
     model = {"in_dim": 1024, "hidden": 4096, "lr": 0.01, "lr_decay": 1.0}
@@ -108,43 +111,51 @@ def bench_throughput(seconds: float = 60.0) -> None:
     overlap = dict(delay_optimizer_step=True, delay_grad_averaging=True, delay_state_averaging=True,
                    matchmaking_time=2.0, averaging_timeout=30.0, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                    metrics_interval=5.0, average_state_every=int(os.environ.get("BENCH_AVERAGE_STATE_EVERY", "1")))
-    recorder = {"stop_at_epoch": 100_000, "max_seconds": seconds}
+    recorder = {"stop_at_epoch": 100_000, "max_seconds": seconds, "barrier_dir": str(root / "barrier"),
+                "barrier_count": len(specs), "wait_for_swarm": join}
+    peers = []
+    try:
+        initial_peers = None
+        for name, run_id, offset in specs:
+            strategy = dict(run_id=run_id, target_batch_size=TARGET, **overlap)
+            if join and initial_peers:
+                strategy["initial_peers"] = initial_peers
+            peers.append(Peer(root, name, strategy, model=model, data=dict(data, offset=offset), recorder=recorder))
+            if join and initial_peers is None:
+                initial_peers = peers[0].join_peers(timeout=240)
+        for peer in peers:
+            peer.wait(timeout=seconds + 300)
+    finally:
+        for peer in peers:
+            peer.kill()
+    results = []
+    for peer in peers:
+        end = peer.events()[-1]
+        results.append((end["samples"] / end["elapsed"], end["epoch"]))
+    return results
+
+
+def bench_throughput(seconds: float = 60.0) -> None:
     params = (1024 * 4096 + 4096 + 4096 + 1)
     print(f"== throughput: MLP with {params / 1e6:.2f}M parameters, batch 64, 1 torch thread per peer, "
           f"{seconds:.0f} s of training per run, target_batch_size {TARGET}")
+    print("   Each peer process also runs hivemind's DHT, two averager processes and a p2p daemon. On a 2-core machine\n"
+          "   a single peer has a spare core for them, two peers do not: 'alone x2' runs two unrelated one-peer\n"
+          "   swarms side by side, i.e. the same machine load without the swarm, and isolates the swarm's own cost.")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        alone = Peer(root, "alone", dict(run_id="bench_alone", target_batch_size=TARGET, **overlap), model=model,
-                     data=data, recorder=recorder)
-        try:
-            alone.wait(timeout=seconds + 240)
-        finally:
-            alone.kill()
-        end = alone.events()[-1]
-        solo_sps = end["samples"] / end["elapsed"]
-        print(f"alone:   {solo_sps:8.1f} samples/s ({end['samples']} samples in {end['elapsed']:.1f} s, "
-              f"{end['epoch']} global epochs)", flush=True)
-
-        barrier = dict(recorder, barrier_dir=str(root / "barrier"), barrier_count=2)
-        first = Peer(root, "first", dict(run_id="bench_pair", target_batch_size=TARGET, **overlap), model=model,
-                     data=data, recorder=barrier)
-        second = None
-        try:
-            join = first.join_peers(timeout=240)
-            second = Peer(root, "second", dict(run_id="bench_pair", target_batch_size=TARGET, initial_peers=join,
-                                               **overlap), model=model, data=dict(data, offset=30_000),
-                          recorder=barrier)
-            for peer in (first, second):
-                peer.wait(timeout=seconds + 300)
-        finally:
-            for peer in (first, second):
-                if peer is not None:
-                    peer.kill()
-        for peer in (first, second):
-            end = peer.events()[-1]
-            sps = end["samples"] / end["elapsed"]
-            print(f"{peer.name:7s}: {sps:8.1f} samples/s in the 2-peer swarm ({end['epoch']} global epochs) -> "
-                  f"ratio to alone {sps / solo_sps:.2f}", flush=True)
+        (alone_sps, alone_epochs), = _run_peers(root / "alone", [("alone", "bench_alone", 0)], seconds, join=False)
+        print(f"alone     : {alone_sps:8.1f} samples/s ({alone_epochs} global epochs)", flush=True)
+        side_by_side = _run_peers(root / "alone_x2", [("solo_a", "bench_solo_a", 0), ("solo_b", "bench_solo_b", 30_000)],
+                                  seconds, join=False)
+        for name, (sps, epochs) in zip(("solo_a", "solo_b"), side_by_side):
+            print(f"alone x2  : {sps:8.1f} samples/s ({name}, {epochs} global epochs)", flush=True)
+        side_by_side_sps = sum(sps for sps, _ in side_by_side) / 2
+        swarm = _run_peers(root / "swarm", [("first", "bench_pair", 0), ("second", "bench_pair", 30_000)], seconds,
+                           join=True)
+        for name, (sps, epochs) in zip(("first", "second"), swarm):
+            print(f"2-peer swarm: {sps:8.1f} samples/s ({name}, {epochs} global epochs) -> ratio to alone "
+                  f"{sps / alone_sps:.2f}, to alone x2 {sps / side_by_side_sps:.2f}", flush=True)
 
 
 if __name__ == "__main__":

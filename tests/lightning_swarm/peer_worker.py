@@ -89,15 +89,17 @@ class SwarmRecorder(pl.Callback):
 
     barrier_dir, barrier_count: before the first step, write a file into `barrier_dir` and wait (up to 90 s) until
         `barrier_count` peers did, so that peers start together; before the second step, wait until this peer's
-        progress tracker sees them all (hivemind lists a peer only once it has reported samples).
+        progress tracker sees them all (hivemind lists a peer only once it has reported samples), unless
+        `wait_for_swarm` is False (peers of different runs that only start together).
     checkpoint_at_stop: if set, save a Lightning checkpoint to this path when stopping.
     """
 
     def __init__(self, out_dir: str, stop_at_epoch: int = 3, max_seconds: float = 120.0,
-                 barrier_dir: Optional[str] = None, barrier_count: int = 1, checkpoint_at_stop: Optional[str] = None):
+                 barrier_dir: Optional[str] = None, barrier_count: int = 1, checkpoint_at_stop: Optional[str] = None,
+                 wait_for_swarm: bool = True):
         self.out_dir = Path(out_dir)
         self.stop_at_epoch, self.max_seconds = stop_at_epoch, max_seconds
-        self.barrier_dir, self.barrier_count = barrier_dir, barrier_count
+        self.barrier_dir, self.barrier_count, self.wait_for_swarm = barrier_dir, barrier_count, wait_for_swarm
         self.checkpoint_at_stop = checkpoint_at_stop
         self._last_epoch: Optional[int] = None
         self._start: Optional[float] = None
@@ -144,7 +146,7 @@ class SwarmRecorder(pl.Callback):
                 self._wait_for_barrier()
             self._start = time.perf_counter()
             self._record(trainer, pl_module, "start")
-        elif trainer.global_step == 1 and self.barrier_dir:
+        elif trainer.global_step == 1 and self.barrier_dir and self.wait_for_swarm:
             self._wait_for_peers(trainer.strategy)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
