@@ -13,14 +13,14 @@ in raster order (the "image part", ``N = G * G``). Who may attend to whom (``den
 
 Two implementations of the whole-sequence pass (``attention_function``), equal up to rounding (tested):
 
-- ``dense`` (default): one fused ``scaled_dot_product_attention`` call per layer with the layer's boolean
-  ``dense_mask``. On this CPU the fused kernel is as fast as or faster than ``grouped`` at the sizes we
-  train (bench-small and even a 32x32 grid with 256 text tokens), because ``grouped`` must copy the text keys
-  into every group; attention is only ~12% of a layer's FLOPs at these widths anyway.
-- ``grouped``: text queries run one causal SDPA over the text part; image queries are split into groups (a
-  row, a column, or a row plus the rows above it for conv_like) that attend to the text keys plus their own
-  few image keys (``GroupedImageAttentionLayout``), never building the (T+N)^2 mask: fewer FLOPs and less
-  memory as the grid grows.
+- ``grouped`` (default): text queries run one causal SDPA over the text part; image queries are split into
+  groups (a row, a column, or a row plus the rows above it for conv_like) and take one softmax over their
+  scores against the text keys and against their group's own few image keys (``GroupedImageAttentionLayout``),
+  never building the (T+N)^2 scores: on bench-small an axial layer's image query scores 81 keys instead of
+  up to 321, and the whole attention costs about 2.5x less than ``dense`` in fp32 on this CPU
+  (tests/benchmarks/bench_dalle_train.py).
+- ``dense``: one fused ``scaled_dot_product_attention`` call per layer with the layer's boolean
+  ``dense_mask`` (the reference; SDPA's CPU kernel computes every masked-out score too).
 
 Step-by-step decoding uses the dense mask row of the current position over the cached keys, so it matches
 the full forward by construction.
@@ -79,7 +79,7 @@ class GroupedImageAttentionLayout:
 
     Image queries are split into ``num_groups`` groups of ``group_size`` cells; each group attends to the
     whole text part plus ``keys_per_group`` image keys of its own, under ``mask``
-    ``[num_groups, group_size, num_text + keys_per_group]``:
+    ``[num_groups, group_size, num_text + keys_per_group]`` (``score_bias``: the same as 0 / -inf):
 
     - ``axial_row``: a group is a grid row; its keys are the same row.
     - ``axial_col``: a group is a grid column; its keys are the same column.
@@ -96,7 +96,6 @@ class GroupedImageAttentionLayout:
         self.attn_type, self.grid_size = attn_type, grid_size
         with torch.device("cpu"):
             self._build(attn_type, num_text, grid_size, conv_kernel_size)
-        self._mask_per_heads: dict[int, torch.Tensor] = {}
 
     def _build(self, attn_type, num_text, grid_size, conv_kernel_size):
         g = grid_size
@@ -122,21 +121,13 @@ class GroupedImageAttentionLayout:
         self.mask = torch.cat([text_mask, image_mask], dim=-1)
         self.num_groups, self.group_size = query_index.shape
         self.keys_per_group = key_index.shape[1]
-        self.same_mask_for_all_groups = bool((self.mask == self.mask[:1]).all())
+        # additive form of the mask for the score blocks of ``grouped_attention``: 0 where allowed, -inf elsewhere
+        self.score_bias = torch.zeros(self.mask.shape).masked_fill_(~self.mask, float("-inf"))
 
     def to(self, device) -> "GroupedImageAttentionLayout":
         moved = object.__new__(GroupedImageAttentionLayout)
         moved.__dict__.update({k: v.to(device) if torch.is_tensor(v) else v for k, v in self.__dict__.items()})
-        moved._mask_per_heads = {}
         return moved
-
-    def sdpa_mask(self, heads: int) -> torch.Tensor:
-        """Mask for queries laid out as ``[B, heads * num_groups, group_size, d]`` (head-major)."""
-        if self.same_mask_for_all_groups:
-            return self.mask[0]
-        if heads not in self._mask_per_heads:
-            self._mask_per_heads[heads] = self.mask.repeat(heads, 1, 1)
-        return self._mask_per_heads[heads]
 
     def group_queries(self, x: torch.Tensor) -> torch.Tensor:
         """Image-part tensor ``[B, H, N, d]`` -> ``[B, H, num_groups, group_size, d]`` (a view where possible)."""
@@ -161,25 +152,26 @@ class GroupedImageAttentionLayout:
 
 
 def grouped_attention(q, k, v, num_text: int, layout: GroupedImageAttentionLayout) -> torch.Tensor:
-    """Sparse causal attention for a whole sequence. q, k, v: ``[B, H, num_text + N, d]`` -> same shape."""
-    b, h, _, d = q.shape
+    """Sparse causal attention for a whole sequence. q, k, v: ``[B, H, num_text + N, d]`` -> same shape.
+
+    Text queries run one causal SDPA over the text part. Image queries take one softmax over two score blocks,
+    their scores against the text keys and against their group's own image keys, so keys and values are
+    never copied into every group (the score blocks are small: ``num_text + keys_per_group`` per query).
+    """
+    b, h, length, d = q.shape
     groups, size, keys = layout.num_groups, layout.group_size, layout.keys_per_group
-    parts = [num_text, q.shape[2] - num_text]
+    parts = [num_text, length - num_text]
     (qt, qi), (kt, ki), (vt, vi) = q.split(parts, dim=2), k.split(parts, dim=2), v.split(parts, dim=2)
     out_text = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
 
-    def with_text(text_part, image_part):  # [B, H * groups, num_text + keys, d]; text repeated per group
-        grouped = layout.group_keys(image_part)
-        return torch.cat([text_part[:, :, None].expand(b, h, groups, num_text, d), grouped], dim=3).view(
-            b, h * groups, num_text + keys, d)
-
-    # groups are folded into the batch-like head dim: 4-D inputs take SDPA's fused CPU kernel
-    queries = layout.group_queries(qi).reshape(b, h * groups, size, d)
-    out_image = F.scaled_dot_product_attention(
-        queries, with_text(kt, ki), with_text(vt, vi), attn_mask=layout.sdpa_mask(h)
-    )
-    out_image = layout.ungroup(out_image.view(b, h, groups, size, d))
-    return torch.cat([out_text, out_image], dim=2)
+    queries = layout.group_queries(qi * d**-0.5)  # [B, H, groups, size, d]; SDPA's default scale
+    text_scores = torch.matmul(queries.reshape(b, h, groups * size, d), kt.transpose(-1, -2))
+    image_scores = torch.matmul(queries, layout.group_keys(ki).transpose(-1, -2))  # [B, H, groups, size, keys]
+    scores = torch.cat([text_scores.view(b, h, groups, size, num_text), image_scores], dim=-1)
+    text_probs, image_probs = (scores + layout.score_bias).softmax(dim=-1).split([num_text, keys], dim=-1)
+    out_image = torch.matmul(text_probs.reshape(b, h, groups * size, num_text), vt).view(b, h, groups, size, d)
+    out_image = out_image + torch.matmul(image_probs, layout.group_keys(vi))
+    return torch.cat([out_text, layout.ungroup(out_image)], dim=2)
 
 
 def masked_attention(q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
@@ -195,10 +187,9 @@ ATTENTION_IMPLEMENTATIONS = ("dense", "grouped")
 def attention_function(impl: str, attn_type: str, num_text: int, grid_size: int, conv_kernel_size: int, device):
     """``attend(q, k, v)`` for one layer type, with its mask or grouping tables built on ``device``.
 
-    ``dense``: one fused SDPA call with the ``dense_mask`` (``full`` layers use the causal flag). On CPUs the
-    fused kernel makes this as fast as or faster than ``grouped`` (which copies text keys into every group)
-    at the sizes we train, see tests/benchmarks/bench_dalle_train.py. ``grouped``: queries in rows/columns
-    attend to the text plus their own few image keys (fewer FLOPs as the grid grows).
+    ``grouped``: text queries causal over the text, image queries per row/column group over the text plus
+    their own few image keys (see ``grouped_attention``). ``dense``: one fused SDPA call with the
+    ``dense_mask`` (``full`` layers use the causal flag).
     """
     if impl == "grouped":
         layout = GroupedImageAttentionLayout(attn_type, num_text, grid_size, conv_kernel_size).to(device)

@@ -18,7 +18,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-__all__ = ["linear", "onednn_available", "use_onednn"]
+__all__ = ["linear", "linear_cross_entropy", "onednn_available", "use_onednn"]
 
 _enabled = True
 
@@ -75,15 +75,8 @@ class _OneDNNLinear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, computed by oneDNN for fp32 CPU tensors outside autocast.
-
-    Args:
-        x: input ``[..., in_features]``.
-        weight: ``[out_features, in_features]``.
-        bias: ``[out_features]`` or None.
-    """
-    if (
+def _onednn_eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return (
         _enabled
         and _AVAILABLE
         and x.device.type == "cpu"
@@ -92,6 +85,77 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and x.dim() >= 2
         and x.numel() > 0
         and not torch.is_autocast_enabled("cpu")
-    ):
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, computed by oneDNN for fp32 CPU tensors outside autocast.
+
+    Args:
+        x: input ``[..., in_features]``.
+        weight: ``[out_features, in_features]``.
+        bias: ``[out_features]`` or None.
+    """
+    if _onednn_eligible(x, weight, bias):
         return _OneDNNLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+_ROWS_PER_CHUNK = 16  # rows of logits per elementwise pass: a chunk's temporaries stay in the CPU's cache
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of ``x @ weight.T + bias`` against class ids, with the logits buffer reused.
+
+    The forward keeps the logits and their row-wise log-sum-exp; the backward turns the logits into
+    ``softmax - one_hot`` in place, so besides the logits no ``[rows, classes]`` tensor is ever allocated
+    (``F.cross_entropy`` allocates the log-softmax, a zero-filled gradient and the softmax gradient).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, target):
+        x_2d, target = x.reshape(-1, x.shape[-1]), target.reshape(-1)
+        logits = _matmul_transposed(x_2d, weight, bias)
+        log_normalizer = torch.cat([torch.logsumexp(chunk, dim=-1) for chunk in logits.split(_ROWS_PER_CHUNK)])
+        loss = (log_normalizer - logits.gather(1, target[:, None]).squeeze(1)).mean()
+        ctx.save_for_backward(x_2d, weight, target)
+        ctx.logits, ctx.log_normalizer, ctx.x_shape, ctx.has_bias = logits, log_normalizer, x.shape, bias is not None
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        x_2d, weight, target = ctx.saved_tensors
+        if ctx.logits is None:
+            raise RuntimeError("linear_cross_entropy reuses its logits in backward: it can run backward only once")
+        probs, ctx.logits = ctx.logits, None
+        for chunk, log_normalizer in zip(probs.split(_ROWS_PER_CHUNK), ctx.log_normalizer.split(_ROWS_PER_CHUNK)):
+            chunk.sub_(log_normalizer[:, None]).exp_()
+        probs[torch.arange(len(target)), target] -= 1  # d(sum of losses) / d logits
+        scale = grad_loss / len(target)  # the mean, applied to the small results
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (_matmul_transposed(probs, weight.t()) * scale).view(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            grad_weight = torch.mm(probs.t(), x_2d * scale)  # MKL beats oneDNN here: no transposed copies
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = probs.sum(0) * scale
+        return grad_x, grad_weight, grad_bias, None
+
+
+def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         target: torch.Tensor) -> torch.Tensor:
+    """``F.cross_entropy(F.linear(x, weight, bias), target)`` (mean over every position), in fp32.
+
+    fp32 CPU tensors outside autocast take the oneDNN path with the logits buffer reused in backward (see
+    ``_LinearCrossEntropy``); anything else computes the logits with ``linear`` and the loss in fp32.
+
+    Args:
+        x: features ``[..., in_features]``.
+        weight: class embeddings ``[num_classes, in_features]``.
+        bias: ``[num_classes]`` or None.
+        target: class ids, ``x.shape[:-1]``.
+    """
+    if _onednn_eligible(x, weight, bias) and x.numel() > 0:
+        return _LinearCrossEntropy.apply(x, weight, bias, target)
+    logits = linear(x, weight, bias)
+    return F.cross_entropy(logits.flatten(0, -2).float(), target.flatten())

@@ -47,7 +47,7 @@ from recipes.dalle.attention import (
     dense_mask,
     rotary_tables,
 )
-from recipes.dalle.cpu_linear import linear
+from recipes.dalle.cpu_linear import linear, linear_cross_entropy
 from recipes.dalle.decoding import DALLECache, IncrementalDecodingMixin
 from recipes.dalle.reversible import reversible_forward, reversible_forward_eager
 
@@ -77,8 +77,9 @@ class DALLEConfig:
         rotary_theta: rotary frequency base.
         ff_mult: feed-forward hidden width as a multiple of dim (GEGLU).
         image_loss_weight: weight w of the image loss in (text + w * image) / (1 + w).
-        attention_impl: ``dense`` (one fused masked SDPA per layer; fastest on CPU at our sizes) or ``grouped``
-            (image queries attend per row/column group to the text plus their own keys; fewer FLOPs).
+        attention_impl: ``grouped`` (text queries causal over the text; image queries per row/column group
+            over the text plus their own few image keys: fewer FLOPs, fastest on CPU) or ``dense`` (one
+            masked SDPA over the whole sequence per layer; the reference).
     """
 
     dim: int = 512
@@ -98,7 +99,7 @@ class DALLEConfig:
     rotary_theta: float = 10000.0
     ff_mult: int = 4
     image_loss_weight: float = 7.0
-    attention_impl: str = "dense"
+    attention_impl: str = "grouped"
 
     def __post_init__(self):
         self.attn_types = tuple(self.attn_types)
@@ -167,6 +168,28 @@ class DALLEConfig:
         return [renumber[i] for i in ids]
 
 
+class _GEGLU(torch.autograd.Function):
+    """``a * gelu(gate)`` for ``[a, gate] = hidden.chunk(2, -1)``, whose backward writes the gradients of ``a``
+    and ``gate`` straight into one buffer (autograd's chunk backward would concatenate two copies)."""
+
+    @staticmethod
+    def forward(ctx, hidden):
+        a, gate = hidden.chunk(2, dim=-1)
+        gelu_gate = F.gelu(gate)
+        ctx.save_for_backward(hidden, gelu_gate)
+        return a * gelu_gate
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, gelu_gate = ctx.saved_tensors
+        a, gate = hidden.chunk(2, dim=-1)
+        grad_hidden = torch.empty_like(hidden)
+        grad_a, grad_gate = grad_hidden.chunk(2, dim=-1)
+        torch.mul(grad_out, gelu_gate, out=grad_a)
+        torch.ops.aten.gelu_backward.grad_input(grad_out * a, gate, grad_input=grad_gate)
+        return grad_hidden
+
+
 class FeedForward(nn.Module):
     """GEGLU feed-forward: ``W2 (a * gelu(b))`` with ``[a, b] = W1 x``."""
 
@@ -176,8 +199,13 @@ class FeedForward(nn.Module):
         self.proj_out = nn.Linear(mult * dim, dim)
 
     def forward(self, x):
-        a, gate = linear(x, self.proj_in.weight, self.proj_in.bias).chunk(2, dim=-1)
-        return linear(a * F.gelu(gate), self.proj_out.weight, self.proj_out.bias)
+        hidden = linear(x, self.proj_in.weight, self.proj_in.bias)
+        if hidden.dtype in (torch.float32, torch.float64):
+            gated = _GEGLU.apply(hidden)
+        else:  # bf16/fp16 (autocast): autograd's chunk + mul, so gradients keep autocast's usual precision
+            a, gate = hidden.chunk(2, dim=-1)
+            gated = a * F.gelu(gate)
+        return linear(gated, self.proj_out.weight, self.proj_out.bias)
 
 
 class Block(nn.Module):
@@ -351,9 +379,13 @@ class DALLE(IncrementalDecodingMixin, nn.Module):
 
     def compute_loss(self, text: torch.Tensor, image: torch.Tensor) -> dict[str, torch.Tensor]:
         """Cross-entropy losses: ``dict(loss, text_loss, image_loss)`` (see ``DALLEConfig.image_loss_weight``)."""
-        text_logits, image_logits = self(text, image)
-        text_loss = F.cross_entropy(text_logits.flatten(0, 1).float(), self.text_tokens(text).flatten())
-        image_loss = F.cross_entropy(image_logits.flatten(0, 1).float(), image.flatten())
+        c = self.config
+        h = self.hidden_states(text, image)
+        # the logits never leave the loss (a fused linear + cross-entropy reuses their buffer in backward)
+        text_loss = linear_cross_entropy(self.final_norm(h[:, : c.text_seq_len]), self.text_emb.weight,
+                                         self.text_logits_bias, self.text_tokens(text))
+        image_loss = linear_cross_entropy(self.final_norm(h[:, c.text_seq_len : c.text_seq_len + c.num_image]),
+                                          self.image_emb.weight, self.image_logits_bias, image)
         w = self.config.image_loss_weight
         return {"loss": (text_loss + w * image_loss) / (1 + w), "text_loss": text_loss, "image_loss": image_loss}
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from recipes.dalle.cpu_linear import linear, onednn_available, use_onednn
+from recipes.dalle.cpu_linear import linear, linear_cross_entropy, onednn_available, use_onednn
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN")
 
@@ -62,3 +62,43 @@ def test_falls_back_to_f_linear_under_autocast_for_other_dtypes_and_when_disable
         out = linear(x, weight)
     assert "OneDNN" not in type(out.grad_fn).__name__
     torch.testing.assert_close(out, F.linear(x, weight))
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_linear_cross_entropy_matches_float64_cross_entropy_and_gradients(with_bias):
+    torch.manual_seed(0)
+    x = torch.randn(3, 37, 16, requires_grad=True)  # 111 rows: several chunks of the row-wise passes
+    weight = (torch.randn(500, 16) * 3).requires_grad_()  # large logits: the log-sum-exp must be stable
+    bias = torch.randn(500, requires_grad=True) if with_bias else None
+    target = torch.randint(0, 500, (3, 37))
+    inputs = [t for t in (x, weight, bias) if t is not None]
+
+    loss = linear_cross_entropy(x, weight, bias, target)
+    if onednn_available():
+        assert "LinearCrossEntropy" in type(loss.grad_fn).__name__
+    grads = torch.autograd.grad(loss * 2.5, inputs)  # a non-unit upstream gradient
+    x64 = [t.detach().double().requires_grad_() for t in inputs]
+    logits64 = F.linear(x64[0], x64[1], x64[2] if with_bias else None)
+    loss64 = F.cross_entropy(logits64.flatten(0, 1), target.flatten())
+    grads64 = torch.autograd.grad(loss64 * 2.5, x64)
+
+    assert abs(loss.item() - loss64.item()) <= 1e-5 * abs(loss64.item())
+    for ours, exact in zip(grads, grads64):
+        assert ours.shape == exact.shape and ours.dtype == torch.float32
+        assert (ours.double() - exact).abs().max().item() <= 1e-5 * exact.abs().max().item()
+
+
+def test_linear_cross_entropy_refuses_a_second_backward_and_falls_back_under_autocast():
+    x, weight = torch.randn(4, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True)
+    target = torch.randint(0, 6, (4,))
+    loss = linear_cross_entropy(x, weight, None, target)
+    loss.backward(retain_graph=True)
+    if onednn_available():  # the logits buffer became the gradient: a second backward would be wrong
+        with pytest.raises(RuntimeError, match="only once"):
+            loss.backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = linear_cross_entropy(x, weight, None, target)
+        logits = F.linear(x, weight)
+    assert loss.dtype == torch.float32 and logits.dtype == torch.bfloat16  # bf16 logits, loss in fp32
+    expected = F.cross_entropy(logits.float(), target)
+    torch.testing.assert_close(loss, expected)
