@@ -6,7 +6,10 @@ row/col/row/row with 4 shared blocks, reversible, rotary, batch 8, 2 threads (th
 ``--anchor-python`` ours and the anchor alternate ``--repeats`` times and the ratio of medians is printed
 (other processes share the cores, so single figures are noisy). Ours runs in fp32 (like the anchor) and,
 by default, also under bf16 autocast (``precision="bf16-mixed"`` in Lightning), which this machine's
-AVX512-BF16 CPU runs much faster.
+AVX512-BF16 CPU runs much faster. Our fp32 step owes its speed to oneDNN matmuls (recipes/dalle/cpu_linear.py:
+PyTorch's MKL sgemm takes its AVX2 path on AMD CPUs), the fused linear + cross-entropy, grouped attention
+(``attention_impl``) and AdamW's fused CPU kernel (``--adamw``; the anchor's AdamW runs PyTorch's default
+per-parameter loop).
 
     python tests/benchmarks/bench_dalle_train.py [--anchor-python /tmp/anchor-venv/bin/python] [--repeats 3]
 """
@@ -35,7 +38,7 @@ def bench_small_config(**overrides):
     return DALLEConfig(**values)
 
 
-def worker(threads: int, batch_size: int, steps: int, sample: bool, precision: str) -> dict:
+def worker(threads: int, batch_size: int, steps: int, sample: bool, precision: str, adamw: str = "fused") -> dict:
     """Measure in this process: training samples/s (fwd + bwd + AdamW) and seconds to sample one image."""
     import contextlib
 
@@ -47,7 +50,8 @@ def worker(threads: int, batch_size: int, steps: int, sample: bool, precision: s
     torch.set_num_threads(threads)
     config = bench_small_config()
     model = DALLE(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # fused: one multi-tensor kernel per step (CPU support since torch 2.4); default: PyTorch's own choice
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True if adamw == "fused" else None)
     text = torch.randint(1, config.text_vocab_size, (batch_size, config.text_seq_len))
     image = torch.randint(0, config.image_vocab_size, (batch_size, config.num_image))
 
@@ -87,7 +91,7 @@ def worker(threads: int, batch_size: int, steps: int, sample: bool, precision: s
 
 def run_ours(args, precision: str) -> dict:
     command = [sys.executable, __file__, "--worker", "--threads", str(args.threads), "--batch-size",
-               str(args.batch_size), "--steps", str(args.steps), "--precisions", precision]
+               str(args.batch_size), "--steps", str(args.steps), "--precisions", precision, "--adamw", args.adamw]
     command += [] if args.no_sample else ["--sample"]
     out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -127,11 +131,13 @@ def main():
     parser.add_argument("--no-sample", action="store_true", help="skip timing one image sample")
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16-mixed"], choices=["fp32", "bf16-mixed"],
                         help="our precisions to measure (the anchor always runs fp32)")
+    parser.add_argument("--adamw", default="fused", choices=["fused", "default"],
+                        help="our AdamW: the fused CPU kernel, or PyTorch's default implementation (as the anchor)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--sample", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.threads, args.batch_size, args.steps, args.sample, args.precisions[0])))
+        print(json.dumps(worker(args.threads, args.batch_size, args.steps, args.sample, args.precisions[0], args.adamw)))
         return
     ours = {precision: [] for precision in args.precisions}
     anchor = []
