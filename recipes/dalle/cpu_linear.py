@@ -67,9 +67,13 @@ class _OneDNNLinear(torch.autograd.Function):
             # grad @ W: W.T as a strided "weight" (oneDNN reorders weights anyway; cheaper than a copy)
             grad_x = _matmul_transposed(grad_2d, weight.t()).view(*x.shape[:-1], weight.shape[1])
         if ctx.needs_input_grad[1]:
-            # (x.T @ grad).T: the small x.T is copied, the big grad.T is read as a strided weight
+            # grad.T @ x: copy the narrower of grad and x transposed (transposed copies are slow) and read the
+            # other one as a strided "weight"
             x_2d = x.reshape(-1, x.shape[-1])
-            grad_weight = _matmul_transposed(x_2d.t().contiguous(), grad_2d.t()).t().contiguous()
+            if weight.shape[0] < weight.shape[1]:
+                grad_weight = _matmul_transposed(grad_2d.t().contiguous(), x_2d.t())
+            else:
+                grad_weight = _matmul_transposed(x_2d.t().contiguous(), grad_2d.t()).t().contiguous()
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_2d.sum(0)
         return grad_x, grad_weight, grad_bias

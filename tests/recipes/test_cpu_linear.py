@@ -17,7 +17,7 @@ def reference(x, weight, bias):
 
 @needs_onednn
 @pytest.mark.parametrize("shape,out_features,with_bias", [((3, 7, 16), 24, True), ((40, 64), 300, False),
-                                                          ((2, 5, 1, 32), 8, True)])
+                                                          ((2, 5, 1, 32), 8, True), ((9, 16), 16, True)])
 def test_values_and_gradients_match_float64_like_f_linear(shape, out_features, with_bias):
     torch.manual_seed(0)
     x = torch.randn(*shape, requires_grad=True)
