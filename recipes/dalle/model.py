@@ -268,18 +268,24 @@ class DALLE(IncrementalDecodingMixin, nn.Module):
         """Attention functions, rotary rotations and dense reference masks on ``device`` (cached)."""
         key = str(device)
         if key not in self._tables:
-            c = self.config
-            tables = {"attend": {}, "dense": {}}
-            for attn_type in set(self.layer_types):
-                tables["attend"][attn_type] = attention_function(
-                    c.attention_impl, attn_type, c.num_text, c.image_grid_size, c.conv_kernel_size, device)
-                tables["dense"][attn_type] = None  # built on first decode
-            if c.rotary:
-                tables["rotary"] = rotary_tables(c.num_text, c.image_grid_size, c.dim_head, c.rotary_theta).to(device)
-            else:
-                tables["rotary"] = None
-            self._tables[key] = tables
+            # built outside inference mode: a first call under it (Lightning's sanity-check validation) must
+            # not leave inference tensors, which training cannot save for backward
+            with torch.inference_mode(False):
+                self._tables[key] = self._build_tables(device)
         return self._tables[key]
+
+    def _build_tables(self, device: torch.device) -> dict:
+        c = self.config
+        tables = {"attend": {}, "dense": {}}
+        for attn_type in set(self.layer_types):
+            tables["attend"][attn_type] = attention_function(
+                c.attention_impl, attn_type, c.num_text, c.image_grid_size, c.conv_kernel_size, device)
+            tables["dense"][attn_type] = None  # built on first decode
+        if c.rotary:
+            tables["rotary"] = rotary_tables(c.num_text, c.image_grid_size, c.dim_head, c.rotary_theta).to(device)
+        else:
+            tables["rotary"] = None
+        return tables
 
     def _dense_mask(self, attn_type: str, device) -> torch.Tensor:
         tables = self.tables(device)

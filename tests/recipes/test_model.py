@@ -297,3 +297,17 @@ def test_reversible_recomputation_under_bf16_autocast_matches_eager(monkeypatch)
     eager_loss.backward()
     for name, p in model.named_parameters():  # bf16 matmuls: the backward must recompute in bf16 too
         torch.testing.assert_close(recomputed[name], p.grad, atol=1e-5, rtol=1e-3, msg=name)
+
+
+@pytest.mark.parametrize("attention_impl", ["grouped", "dense"])
+def test_training_works_after_a_first_forward_under_inference_mode(attention_impl):
+    """Lightning's sanity-check validation runs under inference mode before the first training step."""
+    config = small_config(attention_impl=attention_impl)
+    model = DALLE(config)
+    text, image = batch(config)
+    with torch.inference_mode():
+        validation_loss = model.compute_loss(text, image)["loss"]
+    loss = model.compute_loss(text, image)["loss"]
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), validation_loss)
+    assert all(p.grad is not None for p in model.blocks.parameters())
