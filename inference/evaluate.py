@@ -5,7 +5,8 @@
 
 For each of the first `num-captions` distinct validation captions (about half name a colour+shape pair
 never seen in training), sample `num-candidates` images and judge each with `recipes.shapes.check_caption`.
-Reported per subset (all; captions naming a held-out colour+shape pair; the others):
+Reported per subset (all; captions naming a held-out colour+shape pair; the others; single-shape captions;
+two-shape captions):
 - random_acc: accuracy of a random candidate (the mean correctness over all candidates),
 - clip_top1_acc: accuracy of the candidate CLIP scores highest,
 - best_of_n: share of captions with at least one correct candidate (the ceiling of any reranker),
@@ -25,7 +26,7 @@ from inference.checkpoint import LoadedDALLE, load_dalle
 from inference.generate import DEFAULT_CLIP
 from inference.rerank import CLIPReranker
 from inference.sampling import sample_codes
-from recipes.shapes import check_caption, generate_example
+from recipes.shapes import check_caption, generate_example, parse_caption
 
 
 def validation_captions(num_captions: int, seed: int = 0, split: str = "val") -> list[tuple[str, bool]]:
@@ -101,13 +102,15 @@ def format_table(report: dict[str, dict]) -> str:
 
 def evaluate(dalle: LoadedDALLE, reranker: CLIPReranker, num_captions: int = 32, num_candidates: int = 16,
              data_seed: int = 0, **kwargs) -> dict[str, dict]:
-    """Run the benchmark; returns {"all": ..., "held_out": ..., "not_held_out": ...} rows of `summarize`.
+    """Run the benchmark; returns {"all": ..., "held_out": ..., "not_held_out": ..., "single": ..., "pair": ...}
+    rows of `summarize` (subsets without captions are left out).
     `kwargs` are those of `score_candidates` (batch_size, seed, sampling arguments)."""
     items = validation_captions(num_captions, data_seed)
     correct, scores = score_candidates(dalle, reranker, [c for c, _ in items], num_candidates, **kwargs)
     held_out = torch.tensor([h for _, h in items])
+    single = torch.tensor([parse_caption(c)["kind"] == "single" for c, _ in items])
     report = {"all": summarize(correct, scores)}
-    for name, mask in (("held_out", held_out), ("not_held_out", ~held_out)):
+    for name, mask in (("held_out", held_out), ("not_held_out", ~held_out), ("single", single), ("pair", ~single)):
         if mask.any():
             report[name] = summarize(correct[mask], scores[mask])
     return report

@@ -4,10 +4,13 @@ Examples come straight from `recipes.shapes.generate_example` (deterministic, ~0
 RGB by the `PaletteCodec` at the CLIP's image size and normalised with the same mean/std that the exported
 model's preprocessing config records; captions are tokenized by open_clip's CLIP tokenizer.
 
-Each example can also carry a "hard negative" caption: the same caption with one detail changed (the
-relation reversed, a colour, shape or size word swapped). In-batch negatives almost never differ from a
-caption in one detail only, so without them a CLIP learns colours but not which object is where, which is
-what a reranker of text-to-image samples must judge.
+Each example also carries "hard negatives": captions of the shapes grammar that differ from its caption in
+one controlled way (`NEGATIVE_KINDS`: the relation reversed, the two objects, colours or shapes swapped, one
+colour, shape or size word changed), and the picture one of them describes, drawn by moving or repainting
+the example's own shapes. In-batch negatives almost never differ from a caption in one detail only, so
+without them a CLIP learns colours but not which object is where; with the negative pictures it must also
+tell apart two pictures that differ in that one detail, which is what a reranker of text-to-image samples
+has to judge.
 """
 
 from __future__ import annotations
@@ -18,65 +21,209 @@ import open_clip
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from recipes.shapes import COLOURS, GRID_SIZE, SHAPES, SIZES, PaletteCodec, generate_example
+from recipes.shapes import (COLOUR_CODES, COLOURS, GRID_SIZE, SHAPES, SIZES, PaletteCodec, check_caption,
+                            generate_example, shape_mask)
 
 OPPOSITE = {"to the left of": "to the right of", "to the right of": "to the left of", "above": "below", "below": "above"}
+# How a hard negative differs from its caption. Pairs: "relation" reverses the relation word; "swap_objects"
+# names the two objects in the other order (same relation word); "swap_colours"/"swap_shapes" exchange the
+# two objects' colours/shapes; "colour"/"shape" change one object's word to one that is not in the picture.
+# Single shapes: "size", "colour", "shape". Every one of them describes a different picture.
+PAIR_NEGATIVES = ("relation", "swap_objects", "swap_colours", "swap_shapes", "colour", "shape")
+SINGLE_NEGATIVES = ("size", "colour", "shape")
+NEGATIVE_KINDS = tuple(dict.fromkeys(PAIR_NEGATIVES + SINGLE_NEGATIVES))
 
 
-def _caption(labels: dict) -> str:
-    objects = [f"{o['colour']} {o['shape']}" for o in labels["objects"]]
+def _article(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
+
+
+def caption_of(labels: dict) -> str:
+    """The shapes-grammar caption of a labels dict (the same text `generate_example` writes)."""
+    objects = [f"{_article(o['colour'])} {o['colour']} {o['shape']}" for o in labels["objects"]]
     if labels["kind"] == "single":
-        return f"a {labels['size']} {objects[0]}"
-    return f"a {objects[0]} {labels['relation']} a {objects[1]}"
+        colour, shape = labels["objects"][0]["colour"], labels["objects"][0]["shape"]
+        return f"a {labels['size']} {colour} {shape}"
+    return f"{objects[0]} {labels['relation']} {objects[1]}"
+
+
+def negative_kinds(labels: dict) -> list[str]:
+    """The hard-negative kinds that apply to a labels dict (a shape swap needs two different shapes)."""
+    if labels["kind"] == "single":
+        return list(SINGLE_NEGATIVES)
+    same_shape = labels["objects"][0]["shape"] == labels["objects"][1]["shape"]
+    return [kind for kind in PAIR_NEGATIVES if not (kind == "swap_shapes" and same_shape)]
+
+
+def hard_negative(labels: dict, kind: str, rng: np.random.Generator) -> dict:
+    """Labels (boxes included) of the picture a `kind` hard negative describes; `labels` is not modified.
+
+    Args:
+        labels: the labels dict of `generate_example` ("kind", "objects" with boxes, "size" or "relation").
+        kind: one of `negative_kinds(labels)`.
+        rng: numpy Generator choosing the new word (and the object) for "colour", "shape" and "size".
+    """
+    if kind not in negative_kinds(labels):
+        raise ValueError(f"{kind!r} does not apply to {labels['kind']} labels; expected one of {negative_kinds(labels)}")
+    new = {**labels, "objects": [dict(o) for o in labels["objects"]]}
+    objects = new["objects"]
+    if kind == "relation":  # "A left of B" -> "A right of B": the two shapes trade places
+        new["relation"] = OPPOSITE[labels["relation"]]
+        objects[0]["box"], objects[1]["box"] = objects[1]["box"], objects[0]["box"]
+    elif kind == "swap_objects":  # "A left of B" -> "B left of A": the same picture with the words reordered
+        new["objects"] = objects[::-1]  # ... describes A and B trading places, so the boxes stay
+        new["objects"][0]["box"], new["objects"][1]["box"] = objects[0]["box"], objects[1]["box"]
+    elif kind in ("swap_colours", "swap_shapes"):
+        key = "colour" if kind == "swap_colours" else "shape"
+        objects[0][key], objects[1][key] = objects[1][key], objects[0][key]
+    elif kind == "size":
+        new["size"] = next(s for s in SIZES if s != labels["size"])
+        top, left, size = objects[0]["box"]
+        side = SIZES[new["size"]]
+        centre = (top + size / 2, left + size / 2)  # keep the centre, stay inside the grid
+        top, left = (int(np.clip(round(c - side / 2), 0, GRID_SIZE - side)) for c in centre)
+        objects[0]["box"] = (top, left, side)
+    else:  # "colour" or "shape" of one object, to a word that is not in the picture
+        obj = objects[rng.integers(len(objects))]
+        if kind == "colour":
+            choices = [c for c in COLOURS if c not in {o["colour"] for o in objects}]
+        else:
+            choices = [s for s in SHAPES if s != obj["shape"]]
+        obj[kind] = str(rng.choice(choices))
+    return new
 
 
 def hard_negative_caption(labels: dict, rng: np.random.Generator) -> str:
-    """A caption of the shapes grammar that differs from the one `labels` describe in exactly one detail.
+    """The caption of a random applicable hard negative of `labels` (see `hard_negative`)."""
+    kinds = negative_kinds(labels)
+    return caption_of(hard_negative(labels, kinds[rng.integers(len(kinds))], rng))
+
+
+def draw(labels: dict) -> np.ndarray:
+    """Paint labels' objects (colour, shape, box = (top, left, side)) on an empty int16 [16, 16] code grid."""
+    grid = np.zeros((GRID_SIZE, GRID_SIZE), dtype=np.int16)
+    for obj in labels["objects"]:
+        top, left, side = obj["box"]
+        grid[top : top + side, left : left + side][shape_mask(obj["shape"], side)] = COLOUR_CODES[obj["colour"]]
+    return grid
+
+
+def perturb(labels: dict, rng: np.random.Generator) -> np.ndarray:
+    """A sloppy drawing of `labels`, like the samples of a half-trained text-to-image model: one or two of
+    its objects drawn at another width/height, as a filled box or with a ragged outline (some empty cells of
+    its box filled, some of its cells cleared), part of one painted another colour, one moved or dropped, a
+    stray blob added. `check_caption` decides whether it still shows the caption.
 
     Args:
-        labels: the labels dict of `generate_example` ("kind", "objects", "size" or "relation").
-        rng: numpy Generator choosing which detail changes.
+        labels: the labels dict of `generate_example` (objects with boxes).
+        rng: numpy Generator choosing the changes.
     """
-    labels = {**labels, "objects": [dict(o) for o in labels["objects"]]}
-    change = rng.choice(["relation", "object"] if labels["kind"] == "pair" else ["size", "object"])
-    if change == "size":
-        labels["size"] = [s for s in SIZES if s != labels["size"]][0]
-    elif change == "relation":
-        labels["relation"] = OPPOSITE[labels["relation"]]
-    else:
-        obj = labels["objects"][rng.integers(len(labels["objects"]))]
-        key, choices = ("colour", COLOURS) if rng.random() < 0.5 else ("shape", SHAPES)
-        taken = {o["colour"] for o in labels["objects"]} if key == "colour" else {obj["shape"]}
-        obj[key] = str(rng.choice([c for c in choices if c not in taken]))
-    return _caption(labels)
+    objects = [dict(o) for o in labels["objects"]]
+    boxes = {}  # object index -> (top, left, height, width)
+    for index, obj in enumerate(objects):
+        top, left, side = obj["box"]
+        boxes[index] = (top, left, side, side)
+    patches, dropped, ragged = [], set(), {}
+    for _ in range(rng.integers(1, 3)):
+        index = int(rng.integers(len(objects)))
+        top, left, height, width = boxes[index]
+        change = rng.choice(["reshape", "box", "ragged", "ragged", "recolour", "move", "drop", "stray"])
+        if change in ("reshape", "box"):
+            height, width = (int(np.clip(d + rng.integers(-3, 3), 2, GRID_SIZE)) for d in (height, width))
+            top, left = (int(np.clip(p, 0, GRID_SIZE - d)) for p, d in ((top, height), (left, width)))
+            if change == "box":
+                objects[index]["shape"] = "square"  # a filled box of those sides
+        elif change == "ragged":  # (fill probability, clear probability) of the box's cells
+            ragged[index] = (rng.uniform(0.1, 0.7), rng.uniform(0.0, 0.25))
+        elif change == "move":
+            top, left = (int(np.clip(p + rng.integers(-4, 5), 0, GRID_SIZE - d)) for p, d in ((top, height), (left, width)))
+        elif change == "drop":
+            dropped.add(index)
+        elif change == "recolour":  # part of the object in another colour
+            row, col = top + rng.integers(height), left + rng.integers(width)
+            patches.append((row, col, int(rng.integers(1, 4)), int(rng.integers(1, 4)), str(rng.choice(COLOURS))))
+        else:  # a stray blob anywhere
+            patches.append((*(int(v) for v in rng.integers(0, GRID_SIZE - 2, size=2)), int(rng.integers(1, 4)),
+                            int(rng.integers(1, 4)), str(rng.choice(COLOURS))))
+        boxes[index] = (top, left, height, width)
+    grid = np.zeros((GRID_SIZE, GRID_SIZE), dtype=np.int16)
+    for index, obj in enumerate(objects):
+        if index not in dropped:
+            top, left, height, width = boxes[index]
+            mask = shape_mask(obj["shape"], height, width)
+            if index in ragged:
+                fill, clear = ragged[index]
+                noise = rng.random(mask.shape)
+                mask = np.where(mask, noise >= clear, noise < fill)
+            grid[top : top + height, left : left + width][mask] = COLOUR_CODES[obj["colour"]]
+    for row, col, height, width, colour in patches:
+        grid[row : row + height, col : col + width] = COLOUR_CODES[colour]
+    return grid
 
 
 class ShapesCLIPDataset(Dataset):
-    """Map-style dataset of {"codes" [16,16], "text" [context], "negative_text" [context]} examples.
+    """Map-style dataset of CLIP training examples of one shapes split:
+    {"codes" [16,16], "text" [context], "negative_text" [num_negatives, context], "negative_kind" [num_negatives],
+    "negative_codes" [16,16] (the picture of the first negative caption), "perturbed_codes" [num_perturbed, 16, 16]
+    (sloppy drawings of the caption that `check_caption` rejects)}.
 
     Args:
         split: "train" or "val" split of the shapes generator.
         size: number of examples (indices 0 .. size-1 of the split).
         context_length: text tokens per caption.
+        num_negatives: hard-negative captions per example, of different kinds (single shapes have 3 kinds,
+            pairs 5 or 6; an example with fewer kinds than this repeats kinds with other random words).
+        num_perturbed: sloppy drawings per example that do not show its caption (see `perturb`).
+        sloppy_positive_prob: probability that "codes" is a sloppy drawing that still shows the caption
+            (by `check_caption`) instead of the clean one, so that the model accepts imperfect pictures.
         seed: the shapes generator seed (the same seed as the DALL-E data gives the same examples).
     """
 
-    def __init__(self, split: str, size: int, context_length: int, seed: int = 0):
-        self.split, self.size, self.seed = split, size, seed
+    def __init__(self, split: str, size: int, context_length: int, num_negatives: int = 1, num_perturbed: int = 0,
+                 sloppy_positive_prob: float = 0.0, seed: int = 0):
+        if num_negatives < 1:
+            raise ValueError(f"num_negatives must be >= 1, got {num_negatives}")
+        self.split, self.size, self.num_negatives, self.seed = split, size, num_negatives, seed
+        self.num_perturbed, self.sloppy_positive_prob = num_perturbed, sloppy_positive_prob
         self.tokenizer = open_clip.tokenizer.SimpleTokenizer(context_length=context_length)
 
     def __len__(self) -> int:
         return self.size
 
+    def _sloppy(self, caption: str, labels: dict, rng: np.random.Generator, correct: bool, tries: int = 8):
+        """A perturbed drawing that shows the caption (correct=True) or does not; None if `tries` miss."""
+        for _ in range(tries):
+            grid = perturb(labels, rng)
+            if check_caption(caption, grid) == correct:
+                return grid
+        return None
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         caption, codes, labels = generate_example(index, self.split, self.seed)
-        negative = hard_negative_caption(labels, np.random.default_rng([self.seed, 7, index]))
-        tokens = self.tokenizer([caption, negative])
-        return {"codes": torch.from_numpy(codes.astype(np.int64)), "text": tokens[0], "negative_text": tokens[1]}
+        rng = np.random.default_rng([self.seed, 7, index])
+        kinds = list(rng.permutation(negative_kinds(labels)))
+        kinds = (kinds * self.num_negatives)[: self.num_negatives]
+        negatives = [hard_negative(labels, kind, rng) for kind in kinds]
+        tokens = self.tokenizer([caption] + [caption_of(n) for n in negatives])
+        if rng.random() < self.sloppy_positive_prob:
+            sloppy = self._sloppy(caption, labels, rng, correct=True)
+            codes = codes if sloppy is None else sloppy
+        perturbed = [self._sloppy(caption, labels, rng, correct=False) for _ in range(self.num_perturbed)]
+        # the fallback is a hard negative's picture (wrong for the caption by construction)
+        perturbed = [draw(negatives[-1]) if p is None else p for p in perturbed]
+        return {
+            "codes": torch.from_numpy(codes.astype(np.int64)),
+            "text": tokens[0],
+            "negative_text": tokens[1:],
+            "negative_kind": torch.tensor([NEGATIVE_KINDS.index(k) for k in kinds]),
+            "negative_codes": torch.from_numpy(draw(negatives[0]).astype(np.int64)),
+            "perturbed_codes": torch.from_numpy(np.array(perturbed, dtype=np.int64)).view(-1, GRID_SIZE, GRID_SIZE),
+        }
 
 
 class RenderCollate:
-    """Collate examples and render the whole batch of codes to normalised RGB in one vectorised call.
+    """Collate examples and render every code grid of the batch to normalised RGB in one vectorised call
+    ("codes" -> "image", "negative_codes" -> "negative_image", "perturbed_codes" -> "perturbed_image").
 
     Args:
         image_size: output side in pixels, a multiple of the 16-cell grid.
@@ -92,12 +239,20 @@ class RenderCollate:
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         batch = {key: torch.stack([e[key] for e in examples]) for key in examples[0]}
-        batch["image"] = (self.codec.decode(batch.pop("codes")) - self.mean) / self.std
+        for codes_key, image_key in (("codes", "image"), ("negative_codes", "negative_image"),
+                                     ("perturbed_codes", "perturbed_image")):
+            if codes_key in batch:
+                codes = batch.pop(codes_key)
+                if codes.numel() == 0:  # no perturbed pictures asked for
+                    continue
+                images = (self.codec.decode(codes.flatten(0, -3)) - self.mean) / self.std
+                batch[image_key] = images.view(*codes.shape[:-2], *images.shape[1:])
         return batch
 
 
 class ShapesCLIPDataModule(L.LightningDataModule):
-    """The embedded shapes data as CLIP batches {"image", "text", "negative_text"}.
+    """The embedded shapes data as CLIP batches
+    {"image", "text", "negative_text", "negative_kind", "negative_image", "perturbed_image"}.
 
     Args:
         num_train: training examples per epoch (train split indices 0 .. num_train-1).
@@ -105,20 +260,26 @@ class ShapesCLIPDataModule(L.LightningDataModule):
         batch_size: examples per batch (contrastive: every other caption of the batch is a negative).
         image_size: must equal the CLIP model's vision image_size.
         context_length: must equal the CLIP model's text context_length.
+        num_negatives: hard-negative captions per example (see `ShapesCLIPDataset`).
+        num_perturbed: sloppy drawings per example that do not show its caption (extra negative pictures).
+        sloppy_positive_prob: probability that an example's picture is a sloppy drawing that still shows it.
         mean, std: image normalisation (the module records the same values in its exported config).
         seed: shapes generator seed.
         num_workers: DataLoader worker processes (0 keeps everything in the main process).
     """
 
     def __init__(self, num_train: int = 20000, num_val: int = 512, batch_size: int = 128, image_size: int = 128,
-                 context_length: int = 16, mean: tuple[float, float, float] = open_clip.OPENAI_DATASET_MEAN,
+                 context_length: int = 16, num_negatives: int = 1, num_perturbed: int = 0,
+                 sloppy_positive_prob: float = 0.0,
+                 mean: tuple[float, float, float] = open_clip.OPENAI_DATASET_MEAN,
                  std: tuple[float, float, float] = open_clip.OPENAI_DATASET_STD, seed: int = 0, num_workers: int = 0):
         super().__init__()
         self.save_hyperparameters()
 
     def _loader(self, split: str, size: int, shuffle: bool) -> DataLoader:
         h = self.hparams
-        dataset = ShapesCLIPDataset(split, size, h.context_length, h.seed)
+        dataset = ShapesCLIPDataset(split, size, h.context_length, h.num_negatives, h.num_perturbed,
+                                    h.sloppy_positive_prob, h.seed)
         collate = RenderCollate(h.image_size, tuple(h.mean), tuple(h.std))
         return DataLoader(dataset, batch_size=h.batch_size, shuffle=shuffle, drop_last=shuffle, collate_fn=collate,
                           num_workers=h.num_workers, persistent_workers=h.num_workers > 0)

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_only
 from safetensors.torch import save_file
 
+from recipes.clip.data import NEGATIVE_KINDS
+
 TINY_CLIP_CONFIG = {
     "embed_dim": 64,
     "vision_cfg": {"image_size": 128, "layers": 2, "width": 128, "patch_size": 16},
@@ -26,7 +28,9 @@ TINY_CLIP_CONFIG = {
 }
 
 
-def contrastive_loss(image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor) -> torch.Tensor:
+def contrastive_loss(image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
+                     same_caption: torch.Tensor | None = None,
+                     extra_image_features: torch.Tensor | None = None) -> torch.Tensor:
     """Symmetric CLIP loss where image i matches text i; texts beyond the B images are extra negatives
     for the image->text direction only (with no extra texts this is exactly open_clip's ClipLoss).
 
@@ -34,16 +38,36 @@ def contrastive_loss(image_features: torch.Tensor, text_features: torch.Tensor, 
         image_features: [B, D] L2-normalised image embeddings.
         text_features: [B + M, D] L2-normalised text embeddings; rows B.. are hard negatives.
         logit_scale: the (exponentiated) temperature multiplier.
+        same_caption: optional BoolTensor [B, B + M], True where text j is the very caption of image i. Those
+            pairs (other than the positive i, i) are left out of both directions: the shapes grammar has few
+            captions, so a batch often holds one caption twice, and neither copy is a negative of the other.
+        extra_image_features: optional [E, D] L2-normalised embeddings of pictures that show none of the
+            B captions: extra negatives for the text->image direction only.
     """
     num_images = image_features.shape[0]
     logits_per_image = logit_scale * image_features @ text_features.T  # [B, B + M]
+    if same_caption is not None:
+        duplicate = same_caption.clone()
+        duplicate.fill_diagonal_(False)  # the positives (the diagonal of the first B columns) stay
+        logits_per_image = logits_per_image.masked_fill(duplicate, float("-inf"))
     logits_per_text = logits_per_image[:, :num_images].T  # [B, B]
+    if extra_image_features is not None:
+        extra_logits = logit_scale * text_features[:num_images] @ extra_image_features.T  # [B, E]
+        logits_per_text = torch.cat([logits_per_text, extra_logits], 1)
     labels = torch.arange(num_images, device=image_features.device)
     return (F.cross_entropy(logits_per_image, labels) + F.cross_entropy(logits_per_text, labels)) / 2
 
 
+def same_caption_mask(image_texts: torch.Tensor, texts: torch.Tensor) -> torch.Tensor:
+    """BoolTensor [B, M]: whether token row `texts[j]` equals `image_texts[i]` (the caption of image i)."""
+    return (image_texts[:, None, :] == texts[None, :, :]).all(-1)
+
+
 class CLIPModule(L.LightningModule):
-    """Contrastive training of an open_clip CLIP on {"image", "text", "negative_text"} batches.
+    """Contrastive training of an open_clip CLIP on the batches of `recipes.clip.data.ShapesCLIPDataModule`:
+    {"image", "text"} plus hard negatives {"negative_text" [B, K, L], "negative_kind" [B, K], "negative_image"}
+    and, if present, sloppy drawings the caption checker rejects {"perturbed_image" [B, P, 3, H, W]}: extra
+    negative pictures for their caption.
 
     Args:
         model_cfg: open_clip model config (embed_dim, vision_cfg, text_cfg), e.g. TINY_CLIP_CONFIG.
@@ -51,7 +75,10 @@ class CLIPModule(L.LightningModule):
         weight_decay: AdamW weight decay (not applied to gains, biases and the logit scale).
         warmup_steps: linear warmup steps, then cosine decay to 10% over `total_steps`.
         total_steps: length of the cosine schedule in optimizer steps (set it to trainer.max_steps).
-        hard_negatives: also contrast each image against its one-detail-changed caption.
+        hard_negatives: also contrast each image against its hard-negative captions.
+        negative_images: also train on the pictures of the first hard negative of each example, as pairs
+            of their own (image and caption): then each caption must also pick its picture over a picture
+            that differs in one detail.
         export_dir: directory the trained model is exported to (open_clip local-dir format) when training
             ends; None disables the export.
         mean, std: image normalisation used by the data, recorded in the exported preprocess config.
@@ -59,7 +86,7 @@ class CLIPModule(L.LightningModule):
 
     def __init__(self, model_cfg: dict | None = None, lr: float = 1e-3, weight_decay: float = 0.1,
                  warmup_steps: int = 50, total_steps: int = 1000, hard_negatives: bool = True,
-                 export_dir: str | None = "checkpoints/clip_tiny",
+                 negative_images: bool = True, export_dir: str | None = "checkpoints/clip_tiny",
                  mean: tuple[float, float, float] = open_clip.OPENAI_DATASET_MEAN,
                  std: tuple[float, float, float] = open_clip.OPENAI_DATASET_STD):
         super().__init__()
@@ -71,28 +98,63 @@ class CLIPModule(L.LightningModule):
         """L2-normalised (image_features [B, D], text_features [M, D])."""
         return self.model.encode_image(images, normalize=True), self.model.encode_text(texts, normalize=True)
 
-    def _step(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss, fraction of images that score their caption above its one-detail-changed caption)."""
+    def _step(self, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(loss, {name: BoolTensor of hits}) where the hits say, per example (and per hard negative), whether
+        the image scores its caption above a hard-negative caption ("text", [B, K]), whether the caption
+        scores its image above the first hard negative's picture ("image", [B]) and above its sloppy wrong
+        drawings ("perturbed", [B, P])."""
         num_images = batch["image"].shape[0]
-        image_features, text_features = self(batch["image"], torch.cat([batch["text"], batch["negative_text"]]))
-        used_texts = text_features if self.hparams.hard_negatives else text_features[:num_images]
-        loss = contrastive_loss(image_features, used_texts, self.model.logit_scale.exp().clamp(max=100))
-        positive = (image_features * text_features[:num_images]).sum(-1)
-        negative = (image_features * text_features[num_images:]).sum(-1)
-        return loss, (positive > negative).float().mean()
+        negative_text = batch["negative_text"]  # [B, K, L]
+        # texts: the B captions, the B first negatives (captions of the negative pictures), the other negatives
+        texts = torch.cat([batch["text"], negative_text[:, 0], negative_text[:, 1:].flatten(0, 1)])
+        images = batch["image"]
+        use_images = self.hparams.negative_images and "negative_image" in batch
+        if use_images:
+            images = torch.cat([images, batch["negative_image"]])
+        image_features, text_features = self(images, texts)
+        # without hard negatives only the captions of the pictures (originals and negative pictures) take part
+        num_used = len(texts) if self.hparams.hard_negatives else image_features.shape[0]
+        extra = batch.get("perturbed_image")  # [B, P, 3, H, W] or absent
+        extra_features = None
+        if extra is not None and extra.shape[1] > 0:
+            extra_features = self.model.encode_image(extra.flatten(0, 1), normalize=True)
+        loss = contrastive_loss(image_features, text_features[:num_used], self.model.logit_scale.exp().clamp(max=100),
+                                same_caption_mask(texts[: image_features.shape[0]], texts[:num_used]), extra_features)
+
+        originals = image_features[:num_images]
+        negative_features = torch.cat([text_features[num_images : 2 * num_images, None],
+                                       text_features[2 * num_images :].view(num_images, -1, text_features.shape[-1])], 1)
+        positive = (originals * text_features[:num_images]).sum(-1)  # [B]
+        hits = {"text": positive[:, None] > (originals[:, None] * negative_features).sum(-1)}  # [B, K]
+        if use_images:
+            negative_image_score = (image_features[num_images:] * text_features[:num_images]).sum(-1)
+            hits["image"] = positive > negative_image_score
+        if extra_features is not None:  # [B, P]: the caption scores its picture above its sloppy wrong drawings
+            sloppy_scores = (extra_features.view(num_images, -1, extra_features.shape[-1]) * text_features[:num_images, None]).sum(-1)
+            hits["perturbed"] = positive[:, None] > sloppy_scores
+        return loss, hits
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss, hard_accuracy = self._step(batch)
+        loss, hits = self._step(batch)
         self.log("train/loss", loss, prog_bar=True)
-        self.log("train/hard_negative_acc", hard_accuracy, prog_bar=True)
+        self.log("train/hard_negative_acc", hits["text"].float().mean(), prog_bar=True)
         return loss
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        loss, hard_accuracy = self._step(batch)
+        loss, hits = self._step(batch)
         image_features, text_features = self(batch["image"], batch["text"])
         retrieval = (image_features @ text_features.T).argmax(-1) == torch.arange(len(image_features), device=self.device)
         self.log("val/loss", loss, prog_bar=True)
-        self.log("val/hard_negative_acc", hard_accuracy, prog_bar=True)
+        self.log("val/hard_negative_acc", hits["text"].float().mean(), prog_bar=True)
+        if "image" in hits:
+            self.log("val/negative_image_acc", hits["image"].float().mean())
+        if "perturbed" in hits:
+            self.log("val/perturbed_image_acc", hits["perturbed"].float().mean())
+        for index, kind in enumerate(NEGATIVE_KINDS):  # which details the model can tell apart
+            of_kind = batch["negative_kind"] == index
+            if of_kind.any():
+                self.log(f"val/hard_negative_acc/{kind}", hits["text"][of_kind].float().mean(),
+                         batch_size=int(of_kind.sum()))
         self.log("val/image_to_text_acc", retrieval.float().mean())
 
     def configure_optimizers(self):

@@ -8,6 +8,7 @@ from PIL import Image
 from inference import evaluate, generate
 from inference.checkpoint import load_dalle
 from inference.evaluate import summarize, validation_captions
+from recipes.shapes import parse_caption
 
 
 def test_checkpoint_loads_without_unpickling(tiny_dalle_checkpoint):
@@ -76,6 +77,13 @@ def test_evaluate_cli_prints_a_table_and_writes_json(tiny_dalle_checkpoint, tiny
     assert "clip_top1_acc" in table and "random_acc" in table
     assert json.loads(report_path.read_text())["report"] == report
     assert report["all"]["captions"] == 3
+    # subsets by held-out pair and by kind, each partitioning the captions (empty subsets are left out)
+    items = validation_captions(3)
+    kinds = [parse_caption(caption)["kind"] for caption, _ in items]
+    expected = {"held_out": sum(h for _, h in items), "not_held_out": sum(not h for _, h in items),
+                "single": kinds.count("single"), "pair": kinds.count("pair")}
+    assert {name: row["captions"] for name, row in report.items() if name != "all"} == {
+        name: count for name, count in expected.items() if count}
     for row in report.values():
         assert 0.0 <= row["random_acc"] <= row["best_of_n"] <= 1.0
         assert row["clip_top1_acc"] <= row["best_of_n"]

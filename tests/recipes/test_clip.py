@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from recipes.clip.__main__ import main
-from recipes.clip.data import ShapesCLIPDataModule, hard_negative_caption
-from recipes.clip.module import CLIPModule, contrastive_loss
-from recipes.shapes import generate_example, parse_caption
+from recipes.clip.data import (NEGATIVE_KINDS, OPPOSITE, ShapesCLIPDataModule, ShapesCLIPDataset, caption_of, draw,
+                               hard_negative, hard_negative_caption, negative_kinds)
+from recipes.clip.module import CLIPModule, contrastive_loss, same_caption_mask
+from recipes.shapes import check_caption, generate_example, parse_caption
 
 TINY = {
     "embed_dim": 16,
@@ -17,30 +18,94 @@ TINY = {
 }
 
 
-def differences(a: dict, b: dict) -> int:
-    count = sum(a.get(k) != b.get(k) for k in ("size", "relation"))
-    for x, y in zip(a["objects"], b["objects"]):
-        count += (x["colour"] != y["colour"]) + (x["shape"] != y["shape"])
-    return count
+def _describe(labels: dict) -> tuple:
+    objects = tuple((o["colour"], o["shape"]) for o in labels["objects"])
+    return labels["kind"], labels.get("size"), labels.get("relation"), objects
 
 
-def test_hard_negatives_change_exactly_one_detail():
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_caption_of_rewrites_the_generator_captions(split):
+    for index in range(300):
+        caption, codes, labels = generate_example(index, split)
+        assert caption_of(labels) == caption  # articles included ("an orange ...")
+        assert np.array_equal(draw(labels), codes)
+
+
+def test_each_hard_negative_kind_changes_the_intended_detail_and_its_picture_shows_it():
     rng = np.random.default_rng(0)
-    for index in range(200):
-        caption, _, labels = generate_example(index, "train")
-        negative = hard_negative_caption(labels, rng)
-        parsed, original = parse_caption(negative), parse_caption(caption)
-        assert parsed is not None, negative
-        assert differences(parsed, original) == 1, (caption, negative)
+    seen = set()
+    for index in range(300):
+        caption, codes, labels = generate_example(index, "train")
+        kind_, size, relation, objects = _describe(labels)
+        for kind in negative_kinds(labels):
+            seen.add(kind)
+            negative = hard_negative(labels, kind, rng)
+            text = caption_of(negative)
+            assert parse_caption(text) is not None and text != caption, (kind, text)
+            _, new_size, new_relation, new_objects = _describe(negative)
+            expected = {
+                "relation": (size, OPPOSITE.get(relation), objects),
+                "swap_objects": (size, relation, objects[::-1]),
+                "swap_colours": (size, relation, objects[1:] and ((objects[1][0], objects[0][1]), (objects[0][0], objects[1][1]))),
+                "swap_shapes": (size, relation, objects[1:] and ((objects[0][0], objects[1][1]), (objects[1][0], objects[0][1]))),
+            }
+            if kind in expected:
+                assert (new_size, new_relation, new_objects) == expected[kind], (kind, caption, text)
+            else:  # one word changed: one colour (to one not in the picture), one shape or the size
+                changed = [(a, b) for a, b in zip(objects, new_objects) if a != b]
+                if kind == "size":
+                    assert new_size != size and not changed
+                else:
+                    assert len(changed) == 1 and new_relation == relation
+                    (old, new), = changed
+                    position = 0 if kind == "colour" else 1
+                    assert old[position] != new[position] and old[1 - position] == new[1 - position]
+                    if kind == "colour":
+                        assert new[0] not in {colour for colour, _ in objects}
+            picture = draw(negative)  # the negative's picture shows the negative and not the caption
+            assert check_caption(text, picture) and not check_caption(caption, picture), (kind, caption, text)
+            assert not check_caption(text, codes), (kind, caption, text)
+        assert hard_negative_caption(labels, rng) != caption
+    assert seen == set(NEGATIVE_KINDS)
+    with pytest.raises(ValueError, match="does not apply"):
+        hard_negative(generate_example(1, "train")[2], "relation", rng)  # example 1 is a single shape
 
 
-def test_loss_without_extra_texts_is_open_clip_clip_loss():
-    images = torch.nn.functional.normalize(torch.randn(8, 16), dim=-1)
-    texts = torch.nn.functional.normalize(torch.randn(8, 16), dim=-1)
+def test_sloppy_drawings_are_judged_by_the_caption_checker():
+    dataset = ShapesCLIPDataset("train", 64, context_length=16, num_negatives=2, num_perturbed=2, sloppy_positive_prob=1.0)
+    clean_pictures = 0
+    for index in range(len(dataset)):
+        caption, clean, _ = generate_example(index, "train")
+        example = dataset[index]
+        assert example["perturbed_codes"].shape == (2, 16, 16) and example["negative_text"].shape == (2, 16)
+        assert check_caption(caption, example["codes"])  # sloppy or clean, it shows the caption
+        clean_pictures += np.array_equal(example["codes"].numpy(), clean)
+        for picture in example["perturbed_codes"]:
+            assert not check_caption(caption, picture)
+    assert clean_pictures < len(dataset) // 2  # most pictures were redrawn sloppily
+
+
+def test_loss_leaves_out_duplicate_captions_and_counts_extra_pictures():
+    torch.manual_seed(0)
+    images = torch.nn.functional.normalize(torch.randn(4, 16), dim=-1)
+    texts = torch.nn.functional.normalize(torch.randn(6, 16), dim=-1)
+    tokens = torch.tensor([[1, 2], [3, 4], [1, 2], [5, 6], [3, 4], [7, 8]])  # 0 = 2 and 1 = 4 are one caption
+    same = same_caption_mask(tokens[:4], tokens)
+    assert same.tolist()[0] == [True, False, True, False, False, False]
     scale = torch.tensor(10.0)
-    assert contrastive_loss(images, texts, scale) == pytest.approx(open_clip.ClipLoss()(images, texts, scale).item())
-    negatives = torch.nn.functional.normalize(torch.randn(8, 16), dim=-1)
-    assert contrastive_loss(images, torch.cat([texts, negatives]), scale) > contrastive_loss(images, texts, scale)
+    masked = contrastive_loss(images, texts, scale, same)
+    # the duplicates are no negatives: the same loss as by hand with their logits removed
+    logits = scale * images @ texts.T
+    keep = ~same | torch.eye(4, 6, dtype=torch.bool)
+    image_to_text = torch.stack([-torch.log_softmax(logits[i][keep[i]], 0)[keep[i][: i + 1].sum() - 1] for i in range(4)])
+    text_logits = logits[:, :4].T
+    keep_text = keep[:, :4].T
+    text_to_image = torch.stack([-torch.log_softmax(text_logits[j][keep_text[j]], 0)[keep_text[j][: j + 1].sum() - 1]
+                                 for j in range(4)])
+    assert masked.item() == pytest.approx(((image_to_text.mean() + text_to_image.mean()) / 2).item(), rel=1e-5)
+    assert masked < contrastive_loss(images, texts, scale)
+    extra = torch.nn.functional.normalize(torch.randn(3, 16), dim=-1)
+    assert contrastive_loss(images, texts, scale, same, extra) > masked
 
 
 def test_batches_render_palette_images_at_the_model_size():
