@@ -8,8 +8,9 @@ row/col/row/row with 4 shared blocks, reversible, rotary, batch 8, 2 threads (th
 by default, also under bf16 autocast (``precision="bf16-mixed"`` in Lightning), which this machine's
 AVX512-BF16 CPU runs much faster. Our fp32 step owes its speed to oneDNN matmuls (recipes/dalle/cpu_linear.py:
 PyTorch's MKL sgemm takes its AVX2 path on AMD CPUs), the fused linear + cross-entropy, grouped attention
-(``attention_impl``) and AdamW's fused CPU kernel (``--adamw``; the anchor's AdamW runs PyTorch's default
-per-parameter loop).
+(``attention_impl``), AdamW's fused CPU kernel (``--adamw``; the anchor's AdamW runs PyTorch's default
+per-parameter loop) and glibc malloc keeping freed memory (``--malloc``, recipes/dalle/cpu_malloc.py: no
+page faults on every step's large temporaries; the anchor runs with the default malloc).
 
     python tests/benchmarks/bench_dalle_train.py [--anchor-python /tmp/anchor-venv/bin/python] [--repeats 3]
 """
@@ -38,11 +39,17 @@ def bench_small_config(**overrides):
     return DALLEConfig(**values)
 
 
-def worker(threads: int, batch_size: int, steps: int, sample: bool, precision: str, adamw: str = "fused") -> dict:
+def worker(threads: int, batch_size: int, steps: int, sample: bool, precision: str, adamw: str = "fused",
+           malloc: str = "keep") -> dict:
     """Measure in this process: training samples/s (fwd + bwd + AdamW) and seconds to sample one image."""
     import contextlib
 
     import torch
+
+    from recipes.dalle.cpu_malloc import keep_freed_memory
+
+    if malloc == "keep":
+        keep_freed_memory()
 
     from recipes.dalle.model import DALLE
 
@@ -91,7 +98,8 @@ def worker(threads: int, batch_size: int, steps: int, sample: bool, precision: s
 
 def run_ours(args, precision: str) -> dict:
     command = [sys.executable, __file__, "--worker", "--threads", str(args.threads), "--batch-size",
-               str(args.batch_size), "--steps", str(args.steps), "--precisions", precision, "--adamw", args.adamw]
+               str(args.batch_size), "--steps", str(args.steps), "--precisions", precision, "--adamw", args.adamw,
+               "--malloc", args.malloc]
     command += [] if args.no_sample else ["--sample"]
     out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -133,11 +141,14 @@ def main():
                         help="our precisions to measure (the anchor always runs fp32)")
     parser.add_argument("--adamw", default="fused", choices=["fused", "default"],
                         help="our AdamW: the fused CPU kernel, or PyTorch's default implementation (as the anchor)")
+    parser.add_argument("--malloc", default="keep", choices=["keep", "default"],
+                        help="keep: glibc malloc reuses freed memory (cpu_malloc.keep_freed_memory); default: as is")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--sample", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.threads, args.batch_size, args.steps, args.sample, args.precisions[0], args.adamw)))
+        print(json.dumps(worker(args.threads, args.batch_size, args.steps, args.sample, args.precisions[0], args.adamw,
+                                args.malloc)))
         return
     ours = {precision: [] for precision in args.precisions}
     anchor = []
