@@ -40,7 +40,7 @@ def bench_small_config(**overrides):
 
 
 def worker(threads: int, batch_size: int, steps: int, sample: bool, precision: str, adamw: str = "fused",
-           malloc: str = "keep") -> dict:
+           malloc: str = "keep", warmup: int = 3) -> dict:
     """Measure in this process: training samples/s (fwd + bwd + AdamW) and seconds to sample one image."""
     import contextlib
 
@@ -74,7 +74,8 @@ def worker(threads: int, batch_size: int, steps: int, sample: bool, precision: s
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    step()  # warm-up
+    for _ in range(warmup):  # one-time costs: optimizer state, oneDNN kernel caches, the malloc heap's growth
+        step()
     start = time.perf_counter()
     for _ in range(steps):
         step()
@@ -99,7 +100,7 @@ def worker(threads: int, batch_size: int, steps: int, sample: bool, precision: s
 def run_ours(args, precision: str) -> dict:
     command = [sys.executable, __file__, "--worker", "--threads", str(args.threads), "--batch-size",
                str(args.batch_size), "--steps", str(args.steps), "--precisions", precision, "--adamw", args.adamw,
-               "--malloc", args.malloc]
+               "--malloc", args.malloc, "--warmup", str(args.warmup)]
     command += [] if args.no_sample else ["--sample"]
     out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -132,6 +133,8 @@ def main():
     parser.add_argument("--threads", type=int, default=2, help="torch threads per measurement")
     parser.add_argument("--batch-size", type=int, default=8, help="training batch size (the anchor uses 8)")
     parser.add_argument("--steps", type=int, default=5, help="timed training steps per measurement")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed training steps before them (ours; the anchor script warms up with 1)")
     parser.add_argument("--repeats", type=int, default=2, help="measurements of each side, alternating")
     parser.add_argument("--anchor-python", default=None, help="python of a venv with dalle-pytorch==1.6.6")
     parser.add_argument("--anchor-generate", action="store_true",
@@ -148,7 +151,7 @@ def main():
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(args.threads, args.batch_size, args.steps, args.sample, args.precisions[0], args.adamw,
-                                args.malloc)))
+                                args.malloc, args.warmup)))
         return
     ours = {precision: [] for precision in args.precisions}
     anchor = []
