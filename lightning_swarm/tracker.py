@@ -6,7 +6,8 @@ calls it once per local step: at 40 steps/s per peer that is 40 RSA-signed store
 2-peer swarm on one machine the DHT processes and p2p daemons took about 40% of a core.
 
 ``ThrottledProgressTracker`` keeps all local bookkeeping exact (samples, global estimate, throughput EMA are
-updated on every call, so the epoch ends exactly when the swarm reached ``target_batch_size``) but publishes at
+updated on every call, and its own samples are counted from the live value, not from its possibly older DHT
+record, so the epoch ends exactly when the swarm reached ``target_batch_size``) but publishes at
 most once per ``min_report_interval`` seconds; a report that arrives too early is published when the interval
 ends, so the latest progress always reaches the swarm within the interval. A new epoch, a reset to zero samples
 and shutdown are published at once.
@@ -19,7 +20,8 @@ import time
 from typing import Optional
 
 import hivemind
-from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.optim.progress_tracker import GlobalTrainingProgress, ProgressTracker
+from hivemind.utils.timed_storage import ValueWithExpiration
 
 
 class _ThrottledEvent(threading.Event):
@@ -87,6 +89,15 @@ class ThrottledProgressTracker(ProgressTracker):
         super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
         if urgent:
             self.should_report_progress.set_now()
+
+    def _parse_swarm_progress_data(self, metadata) -> GlobalTrainingProgress:
+        # hivemind counts this peer's samples from its own DHT record, which may now be up to one interval old:
+        # use the live local progress instead, or the epoch would end late (more samples than target_batch_size)
+        own = metadata.get(self._local_public_key) if isinstance(metadata, dict) else None
+        if own is not None and own.value is not None:
+            metadata = dict(metadata)
+            metadata[self._local_public_key] = ValueWithExpiration(self.local_progress.dict(), own.expiration_time)
+        return super()._parse_swarm_progress_data(metadata)
 
     def shutdown(self, timeout: Optional[float] = None):
         self.shutdown_triggered.set()  # before waking the reporter, so that it exits instead of waiting again

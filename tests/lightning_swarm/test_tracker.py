@@ -83,6 +83,21 @@ def test_a_new_epoch_is_published_at_once(dht):
         tracker.shutdown(timeout=5)
 
 
+def test_own_samples_are_counted_live_not_from_the_throttled_record(dht):
+    tracker = ThrottledProgressTracker(dht=dht, prefix="throttle_live", target_batch_size=100,
+                                       min_report_interval=30.0, start=True)
+    try:
+        tracker.report_local_progress(0, 60)
+        _wait_for(lambda: _published(tracker) == (0, 60), timeout=5)
+        tracker.report_local_progress(0, 120)  # not published for 30 s
+        fetched = dht.get(tracker.training_progress_key, latest=True).value
+        assert _published(tracker) == (0, 60)
+        progress = tracker._parse_swarm_progress_data(fetched)  # what the fetcher computes from the DHT
+        assert progress.samples_accumulated == 120 and progress.num_peers == 1
+    finally:
+        tracker.shutdown(timeout=5)
+
+
 def test_negative_interval_is_rejected(dht):
     with pytest.raises(ValueError, match="min_report_interval"):
         ThrottledProgressTracker(dht=dht, prefix="bad", target_batch_size=1, min_report_interval=-1, start=False)
