@@ -15,7 +15,7 @@ from recipes.dalle.model import DALLE, DALLEConfig
 
 def default_optimizer(params) -> torch.optim.Optimizer:
     """AdamW as in small-scale runs; swarm configs use `lightning_swarm.optim.LAMB8bit` instead."""
-    return torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.96), weight_decay=0.01)
+    return torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.96), weight_decay=0.01, fused=True)
 
 
 class DALLEModule(L.LightningModule):
