@@ -21,6 +21,7 @@ from typing import Optional
 
 import hivemind
 from hivemind.optim.progress_tracker import GlobalTrainingProgress, ProgressTracker
+from hivemind.utils import get_dht_time
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 
@@ -100,10 +101,19 @@ class ThrottledProgressTracker(ProgressTracker):
         return super()._parse_swarm_progress_data(metadata)
 
     def shutdown(self, timeout: Optional[float] = None):
+        """Stop reporting, and store the "left the run" record before returning (hivemind's own shutdown sends
+        that store without waiting, so a DHT shut down right after it failed to read the request)."""
         self.shutdown_triggered.set()  # before waking the reporter, so that it exits instead of waiting again
         self.should_report_progress.cancel()
         self.should_report_progress.set_now()
-        super().shutdown(timeout)
+        self.global_state_updated.set()
+        self.shutdown_complete.wait(timeout)
+        future = self.dht.store(self.training_progress_key, subkey=self._local_public_key, value=None,
+                                expiration_time=get_dht_time() + self.metadata_expiration, return_future=True)
+        try:
+            future.result(timeout=timeout if timeout is not None else 10.0)
+        except Exception:  # leaving quietly matters more than the record: it expires anyway
+            pass
 
 
 class SwarmOptimizer(hivemind.Optimizer):
