@@ -65,37 +65,32 @@ def test_reports_are_throttled_but_the_latest_progress_is_published(dht):
         tracker.shutdown(timeout=5)
 
 
-def test_a_new_epoch_is_published_at_once(dht):
-    tracker = ThrottledProgressTracker(dht=dht, prefix="throttle_epoch", target_batch_size=100,
+@pytest.fixture
+def stale_tracker(dht):
+    """A tracker (target 100) that published 60 samples and has 120, unpublished for the next 30 s."""
+    tracker = ThrottledProgressTracker(dht=dht, prefix="throttle_stale", target_batch_size=100,
                                        min_report_interval=30.0, start=True)
-    try:
-        tracker.report_local_progress(0, 60)
-        _wait_for(lambda: _published(tracker) == (0, 60), timeout=5)
-        tracker.report_local_progress(0, 120)  # throttled: the next report is due in 30 s
-        time.sleep(0.5)
-        assert _published(tracker) == (0, 60)
-        assert tracker.ready_to_update_epoch
-        with tracker.pause_updates():
-            tracker.update_epoch(1)
-        waited = _wait_for(lambda: _published(tracker) == (1, 0), timeout=10)
-        assert waited < 10 < 30
-    finally:
-        tracker.shutdown(timeout=5)
+    tracker.report_local_progress(0, 60)
+    _wait_for(lambda: _published(tracker) == (0, 60), timeout=5)
+    tracker.report_local_progress(0, 120)
+    time.sleep(0.5)
+    assert _published(tracker) == (0, 60)
+    yield tracker
+    tracker.shutdown(timeout=5)
 
 
-def test_own_samples_are_counted_live_not_from_the_throttled_record(dht):
-    tracker = ThrottledProgressTracker(dht=dht, prefix="throttle_live", target_batch_size=100,
-                                       min_report_interval=30.0, start=True)
-    try:
-        tracker.report_local_progress(0, 60)
-        _wait_for(lambda: _published(tracker) == (0, 60), timeout=5)
-        tracker.report_local_progress(0, 120)  # not published for 30 s
-        fetched = dht.get(tracker.training_progress_key, latest=True).value
-        assert _published(tracker) == (0, 60)
-        progress = tracker._parse_swarm_progress_data(fetched)  # what the fetcher computes from the DHT
-        assert progress.samples_accumulated == 120 and progress.num_peers == 1
-    finally:
-        tracker.shutdown(timeout=5)
+def test_a_new_epoch_is_published_at_once(stale_tracker):
+    assert stale_tracker.ready_to_update_epoch
+    with stale_tracker.pause_updates():
+        stale_tracker.update_epoch(1)
+    waited = _wait_for(lambda: _published(stale_tracker) == (1, 0), timeout=10)
+    assert waited < 10 < 30
+
+
+def test_own_samples_are_counted_live_not_from_the_throttled_record(stale_tracker):
+    fetched = stale_tracker.dht.get(stale_tracker.training_progress_key, latest=True).value
+    progress = stale_tracker._parse_swarm_progress_data(fetched)  # what the fetcher computes from the DHT
+    assert progress.samples_accumulated == 120 and progress.num_peers == 1
 
 
 def test_negative_interval_is_rejected(dht):
