@@ -159,7 +159,7 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         bias: ``[num_classes]`` or None.
         target: class ids, ``x.shape[:-1]``.
     """
-    if _onednn_eligible(x, weight, bias) and x.numel() > 0:
+    if _onednn_eligible(x, weight, bias):
         return _LinearCrossEntropy.apply(x, weight, bias, target)
     logits = linear(x, weight, bias)
     return F.cross_entropy(logits.flatten(0, -2).float(), target.flatten())

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -99,6 +98,8 @@ def bench_averaging(rounds: int = 3) -> None:
 
 # ----------------------------------------------------------------------------------------------- throughput
 TARGET = 16384  # samples per global epoch: several seconds of work between averaging rounds
+MODEL = {"in_dim": 1024, "hidden": 4096, "lr": 0.01, "lr_decay": 1.0}  # peer_worker.TinyRegression's MLP
+DATA = {"batch_size": 64, "in_dim": 1024, "num_samples": 30_000}
 
 
 def _run_peers(root: Path, specs: list, seconds: float, join: bool) -> list:
@@ -106,8 +107,6 @@ def _run_peers(root: Path, specs: list, seconds: float, join: bool) -> list:
     samples/s over the timed window (all peers start timing together, at a barrier)."""
     from swarm_harness import Peer
 
-    model = {"in_dim": 1024, "hidden": 4096, "lr": 0.01, "lr_decay": 1.0}
-    data = {"batch_size": 64, "in_dim": 1024, "num_samples": 30_000}
     overlap = dict(delay_optimizer_step=True, delay_grad_averaging=True, delay_state_averaging=True,
                    matchmaking_time=2.0, averaging_timeout=30.0, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                    metrics_interval=5.0, average_state_every=int(os.environ.get("BENCH_AVERAGE_STATE_EVERY", "1")))
@@ -120,7 +119,7 @@ def _run_peers(root: Path, specs: list, seconds: float, join: bool) -> list:
             strategy = dict(run_id=run_id, target_batch_size=TARGET, **overlap)
             if join and initial_peers:
                 strategy["initial_peers"] = initial_peers
-            peers.append(Peer(root, name, strategy, model=model, data=dict(data, offset=offset), recorder=recorder))
+            peers.append(Peer(root, name, strategy, model=MODEL, data=dict(DATA, offset=offset), recorder=recorder))
             if join and initial_peers is None:
                 initial_peers = peers[0].join_peers(timeout=240)
         for peer in peers:
@@ -136,8 +135,9 @@ def _run_peers(root: Path, specs: list, seconds: float, join: bool) -> list:
 
 
 def bench_throughput(seconds: float = 60.0) -> None:
-    params = (1024 * 4096 + 4096 + 4096 + 1)
-    print(f"== throughput: MLP with {params / 1e6:.2f}M parameters, batch 64, 1 torch thread per peer, "
+    in_dim, hidden = MODEL["in_dim"], MODEL["hidden"]
+    params = in_dim * hidden + hidden + hidden + 1
+    print(f"== throughput: MLP with {params / 1e6:.2f}M parameters, batch {DATA['batch_size']}, 1 torch thread per peer, "
           f"{seconds:.0f} s of training per run, target_batch_size {TARGET}")
     print("   Each peer process also runs hivemind's DHT, two averager processes and a p2p daemon. On a 2-core machine\n"
           "   a single peer has a spare core for them, two peers do not: 'alone x2' runs two unrelated one-peer\n"
