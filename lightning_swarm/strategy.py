@@ -114,8 +114,8 @@ class HivemindStrategy(SingleDeviceStrategy):
             download per join; use ``"fp16"`` to halve it).
         averager_opts: extra keyword arguments for hivemind's averagers (e.g. ``{"request_timeout": 1.0}``).
         tracker_opts: extra keyword arguments for hivemind's ProgressTracker (e.g. ``{"max_refresh_period": 2}``),
-            plus ``min_report_interval`` (default 1 s): this peer publishes its progress to the DHT at most
-            that often, instead of once per local step (see :mod:`lightning_swarm.tracker`).
+            plus ``min_report_interval`` (default: ``min_refresh_period``, 0.5 s): this peer publishes its
+            progress to the DHT at most that often, not once per local step (see :mod:`lightning_swarm.tracker`).
         publish_metrics: publish this peer's metrics to the DHT (for a monitoring peer), see
             :mod:`lightning_swarm.metrics`.
         metrics_interval: seconds between two metric publications.

@@ -72,12 +72,14 @@ class ThrottledProgressTracker(ProgressTracker):
 
     Args:
         min_report_interval: minimum seconds between two DHT stores of this peer's progress (a new epoch or a
-            reset is published at once). Other peers extrapolate progress from the reported samples/s between
-            reports, so a second of staleness costs nothing.
+            reset is published at once). Default: ``min_refresh_period`` (hivemind's 0.5 s), the shortest time
+            between two fetches of the swarm's progress: publishing more often than peers fetch is wasted.
         *args, **kwargs: as ``hivemind.optim.progress_tracker.ProgressTracker``.
     """
 
-    def __init__(self, *args, min_report_interval: float = 1.0, start: bool, **kwargs):
+    def __init__(self, *args, min_report_interval: Optional[float] = None, start: bool, **kwargs):
+        if min_report_interval is None:  # publishing faster than other peers fetch is wasted
+            min_report_interval = kwargs.get("min_refresh_period", 0.5)
         if min_report_interval < 0:
             raise ValueError(f"min_report_interval must be >= 0 seconds, got {min_report_interval!r}")
         super().__init__(*args, start=False, **kwargs)
