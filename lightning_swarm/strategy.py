@@ -37,7 +37,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_swarm import compression as swarm_compression  # also registers numpy-2.4-safe 8-bit decoders
 from lightning_swarm import metrics as swarm_metrics
-from lightning_swarm.grad_averager import SampleWeightedGradientAverager
 from lightning_swarm.peers import (
     INITIAL_PEERS_ENV,
     check_listen_maddrs,
@@ -46,7 +45,7 @@ from lightning_swarm.peers import (
     resolve_initial_peers,
 )
 from lightning_swarm.scheduler import GlobalEpochScheduler, rebind_scheduler
-from lightning_swarm.tracker import SwarmOptimizer
+from lightning_swarm.swarm_optimizer import SwarmGradientAverager, SwarmOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +111,9 @@ class HivemindStrategy(SingleDeviceStrategy):
         load_state_compression: codec of the state a joining peer downloads (same choices). Default ``"none"``:
             a newcomer starts from exactly the swarm's parameters, not from a rounding of them (it is one
             download per join; use ``"fp16"`` to halve it).
-        averager_opts: extra keyword arguments for hivemind's averagers (e.g. ``{"request_timeout": 1.0}``).
+        averager_opts: extra keyword arguments for hivemind's averagers (e.g. ``{"request_timeout": 1.0}``), plus
+            ``leader_poll_interval``: minimum seconds between two DHT reads of the averagers looking for a group
+            (default: a tenth of matchmaking_time, at most 0.5 s; hivemind itself polls without pause).
         tracker_opts: extra keyword arguments for hivemind's ProgressTracker (e.g. ``{"max_refresh_period": 2}``),
             plus ``min_report_interval`` (default: ``min_refresh_period``, 0.5 s): this peer publishes its
             progress to the DHT at most that often, not once per local step (see :mod:`lightning_swarm.tracker`).
@@ -342,7 +343,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             scheduler=scheduler_factory,
             use_local_updates=False,
             # hivemind passes averager_opts to the state averager only; the gradient averager needs them too
-            grad_averager_factory=functools.partial(SampleWeightedGradientAverager, **self._hivemind_kwargs["averager_opts"]),
+            grad_averager_factory=functools.partial(SwarmGradientAverager, **self._hivemind_kwargs["averager_opts"]),
             client_mode=None,  # derived from the DHT, which knows whether we are in client mode
             grad_compression=compression,
             state_averaging_compression=compression,

@@ -19,7 +19,6 @@ import threading
 import time
 from typing import Optional
 
-import hivemind
 from hivemind.optim.progress_tracker import GlobalTrainingProgress, ProgressTracker
 from hivemind.utils import get_dht_time
 from hivemind.utils.timed_storage import ValueWithExpiration
@@ -116,19 +115,3 @@ class ThrottledProgressTracker(ProgressTracker):
             future.result(timeout=timeout if timeout is not None else 10.0)
         except Exception:  # leaving quietly matters more than the record: it expires anyway
             pass
-
-
-class SwarmOptimizer(hivemind.Optimizer):
-    """hivemind.Optimizer with a :class:`ThrottledProgressTracker` (``tracker_opts`` may set
-    ``min_report_interval``)."""
-
-    def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
-        return ThrottledProgressTracker(
-            dht=self.dht,
-            prefix=self.run_id,
-            target_batch_size=target_batch_size,
-            client_mode=self.client_mode,
-            status_loglevel=self.status_loglevel,
-            start=True,
-            **kwargs,
-        )

@@ -92,15 +92,16 @@ class SwarmRecorder(pl.Callback):
         progress tracker sees them all (hivemind lists a peer only once it has reported samples), unless
         `wait_for_swarm` is False (peers of different runs that only start together).
     checkpoint_at_stop: if set, save a Lightning checkpoint to this path when stopping.
+    record_params: save the parameters at every global epoch (benchmarks turn it off: it is not training work).
     """
 
     def __init__(self, out_dir: str, stop_at_epoch: int = 3, max_seconds: float = 120.0,
                  barrier_dir: Optional[str] = None, barrier_count: int = 1, checkpoint_at_stop: Optional[str] = None,
-                 wait_for_swarm: bool = True):
+                 wait_for_swarm: bool = True, record_params: bool = True):
         self.out_dir = Path(out_dir)
         self.stop_at_epoch, self.max_seconds = stop_at_epoch, max_seconds
         self.barrier_dir, self.barrier_count, self.wait_for_swarm = barrier_dir, barrier_count, wait_for_swarm
-        self.checkpoint_at_stop = checkpoint_at_stop
+        self.checkpoint_at_stop, self.record_params = checkpoint_at_stop, record_params
         self._last_epoch: Optional[int] = None
         self._start: Optional[float] = None
 
@@ -113,8 +114,9 @@ class SwarmRecorder(pl.Callback):
         epoch = strategy.global_epoch
         if epoch != self._last_epoch:
             self._last_epoch = epoch
-            params = {k: v.detach().cpu().contiguous() for k, v in pl_module.state_dict().items()}
-            save_file(params, str(self.out_dir / f"params_{epoch}.safetensors"))
+            if self.record_params:
+                params = {k: v.detach().cpu().contiguous() for k, v in pl_module.state_dict().items()}
+                save_file(params, str(self.out_dir / f"params_{epoch}.safetensors"))
             self._write_event(
                 kind=kind, epoch=epoch, lr=strategy.optimizer.param_groups[0]["lr"], peers=strategy.num_peers,
                 local_step=trainer.global_step, samples=strategy.stats.samples_contributed,

@@ -1,0 +1,97 @@
+"""SwarmOptimizer: hivemind.Optimizer with the background work of a peer cut to what the swarm needs.
+
+Each hivemind peer runs a DHT process and two averager processes next to training. Left as they are, they take a
+good part of a CPU core even when the peer is alone, which costs training throughput wherever cores are scarce.
+SwarmOptimizer changes three things and nothing else:
+- progress is published through :class:`~lightning_swarm.tracker.ThrottledProgressTracker` (not a DHT store on
+  every local step);
+- both averagers search for groups through :class:`~lightning_swarm.matchmaking.ThrottledLeaderSearch` (not a DHT
+  poll loop without pause);
+- a peer alone in the run does not pre-schedule averaging rounds: there is no one to find, and hivemind would only
+  search until it cancels the round at the end of the epoch.
+"""
+
+from __future__ import annotations
+
+import hivemind
+from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.optim.state_averager import TrainingStateAverager
+
+from lightning_swarm.grad_averager import SampleWeightedGradientAverager
+from lightning_swarm.matchmaking import ThrottledLeaderSearch
+from lightning_swarm.tracker import ThrottledProgressTracker
+
+
+class HivemindRpcNames:
+    """Mixin for subclasses of hivemind averagers: serve and call RPCs under the hivemind class's name.
+
+    hivemind names every RPC handler after the servicer's class (``"<prefix>::TrainingStateAverager.rpc_download_state"``),
+    so a subclass under its own name could not talk to peers that run hivemind's class (or the monitor, an
+    auxiliary peer that downloads state with hivemind's TrainingStateAverager).
+    """
+
+    @classmethod
+    def _get_handle_name(cls, namespace, method_name: str) -> str:
+        hivemind_class = next(k for k in cls.__mro__ if k.__module__.startswith("hivemind."))
+        return hivemind_class._get_handle_name(namespace, method_name)
+
+
+class SwarmGradientAverager(HivemindRpcNames, ThrottledLeaderSearch, SampleWeightedGradientAverager):
+    """Gradient averager of a SwarmOptimizer: mean over samples, throttled leader search (``leader_poll_interval``)."""
+
+
+class SwarmStateAverager(HivemindRpcNames, ThrottledLeaderSearch, TrainingStateAverager):
+    """State averager of a SwarmOptimizer: hivemind's TrainingStateAverager with a throttled leader search."""
+
+
+class SwarmOptimizer(hivemind.Optimizer):
+    """hivemind.Optimizer (same arguments) with less background CPU, see the module docstring.
+
+    ``tracker_opts`` may set ``min_report_interval`` (see ThrottledProgressTracker); ``averager_opts`` and the
+    ``grad_averager_factory`` may set ``leader_poll_interval`` (see ThrottledLeaderSearch). The default gradient
+    averager is :class:`SwarmGradientAverager`.
+    """
+
+    def __init__(self, *args, grad_averager_factory=SwarmGradientAverager, **kwargs):
+        super().__init__(*args, grad_averager_factory=grad_averager_factory, **kwargs)
+
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
+        return ThrottledProgressTracker(
+            dht=self.dht,
+            prefix=self.run_id,
+            target_batch_size=target_batch_size,
+            client_mode=self.client_mode,
+            status_loglevel=self.status_loglevel,
+            start=True,
+            **kwargs,
+        )
+
+    def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
+        # hivemind 1.1.12's arguments, with our class (hivemind hard-codes TrainingStateAverager here)
+        return SwarmStateAverager(
+            dht=self.dht,
+            prefix=f"{self.run_id}_state_averager",
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            start=True,
+            **kwargs,
+        )
+
+    @property
+    def _alone(self) -> bool:
+        return self.tracker.global_progress.num_peers <= 1
+
+    def _maybe_schedule_gradient_averaging(self) -> None:
+        if not self._alone:  # if a peer joins later, the epoch's end starts the round at once instead
+            super()._maybe_schedule_gradient_averaging()
+
+    def _maybe_schedule_state_averaging(self) -> None:
+        if not self._alone:  # hivemind averages state only when num_peers > 1 anyway
+            super()._maybe_schedule_state_averaging()

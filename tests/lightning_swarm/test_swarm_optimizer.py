@@ -1,0 +1,119 @@
+"""SwarmOptimizer: throttled leader search, no matchmaking while alone, hivemind's RPC names (real DHTs and averagers)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import hivemind
+import pytest
+import torch
+from hivemind.averaging.control import StepControl
+from hivemind.averaging.key_manager import GroupKeyManager
+from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.utils import get_dht_time
+
+from lightning_swarm.matchmaking import ThrottledPotentialLeaders, default_poll_interval
+from lightning_swarm.swarm_optimizer import SwarmGradientAverager, SwarmOptimizer, SwarmStateAverager
+
+LOCAL = ["/ip4/127.0.0.1/tcp/0"]
+
+
+@pytest.fixture
+def dht():
+    node = hivemind.DHT(start=True, host_maddrs=LOCAL)
+    yield node
+    node.shutdown()
+
+
+def _search(dht: hivemind.DHT, poll_interval: float, seconds: float, declare_other_after: float = None):
+    """Look for a leader for up to `seconds` as an averager of prefix "mm" that does not declare itself.
+
+    If `declare_other_after` is set, another peer declares itself as an averager that many seconds into the search.
+    Returns (leader found or None, seconds from that declaration to finding it, number of DHT polls).
+    """
+    other = hivemind.DHT(start=True, host_maddrs=LOCAL, initial_peers=dht.get_visible_maddrs())
+
+    async def run():
+        key_manager = GroupKeyManager(dht, "mm", initial_group_bits="", target_group_size=None)
+        leaders = ThrottledPotentialLeaders(dht.peer_id, 1.0, None, poll_interval=poll_interval)
+        step = StepControl(scheduled_time=get_dht_time() + seconds, deadline=get_dht_time() + seconds,
+                           allow_retries=False, weight=1.0, data_for_gather=b"")
+        declared_at = None
+
+        async def declare_other():
+            nonlocal declared_at
+            await asyncio.sleep(declare_other_after)
+            other_keys = GroupKeyManager(other, "mm", initial_group_bits="", target_group_size=None)
+            await other_keys.declare_averager(other_keys.current_key, other.peer_id, get_dht_time() + 30, True)
+            declared_at = time.monotonic()
+
+        if declare_other_after is not None:
+            asyncio.create_task(declare_other())
+        found = None
+        async with leaders.begin_search(step, key_manager, declare=False):
+            try:
+                found = await asyncio.wait_for(leaders.pop_next_leader(), timeout=seconds)
+            except asyncio.TimeoutError:
+                pass
+        delay = time.monotonic() - declared_at if found is not None and declared_at is not None else None
+        return found, delay, leaders.num_polls
+
+    try:
+        return asyncio.run(run())
+    finally:
+        other.shutdown()
+
+
+def test_lone_search_polls_at_most_once_per_interval(dht):
+    found, _, polls = _search(dht, poll_interval=0.5, seconds=2.0)
+    assert found is None
+    assert 2 <= polls <= 5  # 2 s / 0.5 s + the first poll; hivemind's own loop polls back to back
+
+
+def test_throttled_search_still_finds_a_leader_within_an_interval(dht):
+    found, delay, _ = _search(dht, poll_interval=0.5, seconds=6.0, declare_other_after=0.7)
+    assert found is not None, "the leader declared during the search was never found"
+    assert delay < 0.5 + 1.0  # one poll interval, plus slack for a loaded machine
+
+
+def test_default_poll_interval():
+    assert default_poll_interval(2.0) == pytest.approx(0.2)
+    assert default_poll_interval(15.0) == 0.5
+    with pytest.raises(ValueError, match="poll_interval"):
+        ThrottledPotentialLeaders(None, 1.0, None, poll_interval=-1)
+
+
+@pytest.mark.parametrize("optimizer_class, expect_schedules", [(hivemind.Optimizer, True), (SwarmOptimizer, False)])
+def test_lone_peer_does_not_preschedule_averaging(dht, optimizer_class, expect_schedules):
+    """Alone, hivemind pre-schedules a gradient averaging round before every epoch's end; SwarmOptimizer does not."""
+    model = torch.nn.Linear(8, 1)
+    optimizer = optimizer_class(
+        dht=dht, run_id=f"alone_{optimizer_class.__name__}", target_batch_size=64, batch_size_per_step=16,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1), params=model.parameters(), matchmaking_time=1.0,
+        averaging_timeout=5.0, verbose=False,
+    )
+    schedules = []
+    schedule_step = optimizer.grad_averager.schedule_step
+    optimizer.grad_averager.schedule_step = lambda *args, **kwargs: schedules.append(1) or schedule_step(*args, **kwargs)
+    try:
+        for _ in range(12):  # 3 global epochs, each well under matchmaking_time
+            model(torch.randn(16, 8)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert optimizer.local_epoch == 3
+        assert bool(schedules) == expect_schedules
+    finally:
+        optimizer.shutdown()
+
+
+@pytest.mark.parametrize("ours, hivemind_class", [(SwarmStateAverager, TrainingStateAverager),
+                                                  (SwarmGradientAverager, GradientAverager)])
+def test_averagers_answer_under_hivemind_rpc_names(ours, hivemind_class):
+    """Peers running hivemind's classes (and the monitor) call e.g. "<prefix>::TrainingStateAverager.rpc_download_state"."""
+    ours._collect_rpc_handlers()
+    methods = [handler.method_name for handler in ours._rpc_handlers]
+    assert "rpc_join_group" in methods
+    for method in methods:
+        assert ours._get_handle_name("run", method) == hivemind_class._get_handle_name("run", method)
