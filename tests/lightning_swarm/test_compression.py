@@ -21,6 +21,7 @@ from lightning_swarm.compression import (
     Uniform8BitQuantizationFixed,
     default_compression,
     dynamic_code,
+    quantize_uniform_blockwise,
     uniform_code,
 )
 
@@ -50,6 +51,26 @@ def roundtrip(codec, tensor: torch.Tensor) -> tuple[torch.Tensor, runtime_pb2.Te
 
 def rmse(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach().float() - b.detach().float()).square().mean().sqrt())
+
+
+@pytest.mark.parametrize("numel", [100, BLOCKSIZE, 3 * BLOCKSIZE + 5, 2**17 + 1])
+@pytest.mark.parametrize("kind", ["gauss", "sparse"])
+def test_arithmetic_uniform_quantization_matches_bitsandbytes(kind, numel):
+    """The fast path gives bitsandbytes' codes for uniform_code() (ties aside) and the same absmax and error."""
+    from bitsandbytes.functional import dequantize_blockwise, quantize_blockwise
+
+    tensor = sample(kind, numel)
+    zeros = BLOCKSIZE if numel >= 2 * BLOCKSIZE else numel // 4  # a whole zero block, or zeros within one
+    tensor[:zeros] = 0
+    codes, absmax = quantize_uniform_blockwise(tensor)
+    expected_codes, state = quantize_blockwise(tensor, code=uniform_code(), blocksize=BLOCKSIZE)
+    torch.testing.assert_close(absmax, state.absmax)
+    nonzero_blocks = (absmax > 0).repeat_interleave(BLOCKSIZE)[:numel]
+    differ = (codes.int() - expected_codes.int()).abs()[nonzero_blocks]
+    assert differ.max() <= 1 and differ.float().mean() < 0.01  # only values halfway between two levels differ
+    restored = dequantize_blockwise(codes, absmax=absmax, code=uniform_code(), blocksize=BLOCKSIZE)
+    assert rmse(restored, tensor) <= rmse(dequantize_blockwise(expected_codes, state), tensor) * 1.001
+    assert torch.equal(restored[:zeros], torch.zeros(zeros))
 
 
 @pytest.mark.parametrize("kind", ["gauss", "laplace", "student3", "sparse"])
