@@ -11,6 +11,10 @@ two-shape captions):
 - clip_top1_acc: accuracy of the candidate CLIP scores highest,
 - best_of_n: share of captions with at least one correct candidate (the ceiling of any reranker),
 - mean_clip: mean CLIP score of all candidates; top1_clip: mean score of CLIP's picks.
+
+`--save-candidates FILE` writes the sampled codes (safetensors, captions and sampling settings in its
+metadata); `--candidates FILE` scores those same pictures again instead of sampling (seconds instead of
+minutes), e.g. to compare two CLIPs on identical candidates.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from inference.checkpoint import LoadedDALLE, load_dalle
@@ -52,28 +58,59 @@ def validation_captions(num_captions: int, seed: int = 0, split: str = "val") ->
 
 @torch.no_grad()
 def score_candidates(dalle: LoadedDALLE, reranker: CLIPReranker, captions: list[str], num_candidates: int,
-                     batch_size: int = 16, seed: int = 0, **sampling) -> tuple[torch.Tensor, torch.Tensor]:
+                     batch_size: int = 16, seed: int = 0, candidates: torch.Tensor | None = None,
+                     **sampling) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample `num_candidates` images per caption (rows of several captions share a batch) and judge them.
 
-    Returns (correct BoolTensor [C, N], clip_scores FloatTensor [C, N]) for C captions and N candidates.
-    `sampling` holds temperature, top_k, top_p, guidance_scale (see `inference.sampling.sample_codes`).
+    Returns (correct BoolTensor [C, N], clip_scores FloatTensor [C, N], codes LongTensor [C, N, codes]) for
+    C captions and N candidates. `candidates` (codes [C, N, codes], e.g. from `load_candidates`) are scored
+    instead of sampling new ones. `sampling` holds temperature, top_k, top_p, guidance_scale (see
+    `inference.sampling.sample_codes`).
     """
     device = dalle.model.image_emb.weight.device
     generator = torch.Generator(device=device).manual_seed(seed)
     tokens = dalle.tokenizer(captions).to(device)
     rows = torch.arange(len(captions)).repeat_interleave(num_candidates)  # caption index of every candidate
+    if candidates is not None and tuple(candidates.shape[:2]) != (len(captions), num_candidates):
+        raise ValueError(f"candidates hold {tuple(candidates.shape[:2])} captions x images, "
+                         f"expected {(len(captions), num_candidates)}")
     correct = torch.zeros(len(rows), dtype=torch.bool)
     scores = torch.zeros(len(rows))
+    all_codes = torch.zeros(len(rows), dalle.model.config.num_image, dtype=torch.long)
     with tqdm(total=len(rows), desc="candidates", unit="img") as progress:
         for start in range(0, len(rows), batch_size):
             batch = rows[start : start + batch_size]
-            codes = sample_codes(dalle.model, tokens[batch.to(device)], generator=generator, **sampling)
+            if candidates is None:
+                codes = sample_codes(dalle.model, tokens[batch.to(device)], generator=generator, **sampling)
+            else:
+                codes = candidates.flatten(0, 1)[start : start + len(batch)].to(device)
+            all_codes[start : start + len(batch)] = codes.cpu()
             batch_captions = [captions[i] for i in batch.tolist()]
             scores[start : start + len(batch)] = reranker.score_pairs(dalle.decode(codes), batch_captions)
             for offset, caption in enumerate(batch_captions):
                 correct[start + offset] = check_caption(caption, codes[offset].cpu())
             progress.update(len(batch))
-    return correct.view(len(captions), num_candidates), scores.view(len(captions), num_candidates)
+    shape = (len(captions), num_candidates)
+    return correct.view(shape), scores.view(shape), all_codes.view(*shape, -1)
+
+
+def save_candidates(path: str | Path, captions: list[str], codes: torch.Tensor, settings: dict) -> None:
+    """Write sampled candidates (codes [C, N, codes]) as safetensors; captions and settings go in its metadata."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    metadata = {"captions": json.dumps(captions), "settings": json.dumps(settings)}
+    save_file({"codes": codes.to(torch.int16).contiguous()}, str(path), metadata=metadata)
+
+
+def load_candidates(path: str | Path, captions: list[str], num_candidates: int) -> torch.Tensor:
+    """Codes LongTensor [C, N, codes] of `save_candidates`'s file for these captions (the file's first C
+    captions must be them) and its first `num_candidates` candidates each."""
+    with safe_open(str(path), framework="pt") as file:
+        saved = json.loads(file.metadata()["captions"])
+        codes = file.get_tensor("codes").long()
+    if saved[: len(captions)] != captions or codes.shape[1] < num_candidates:
+        raise ValueError(f"{path} holds {len(saved)} captions x {codes.shape[1]} candidates that do not start with "
+                         f"these {len(captions)} captions x {num_candidates} (other --num-captions or --data-seed?)")
+    return codes[: len(captions), :num_candidates]
 
 
 def summarize(correct: torch.Tensor, scores: torch.Tensor) -> dict[str, float]:
@@ -101,19 +138,19 @@ def format_table(report: dict[str, dict]) -> str:
 
 
 def evaluate(dalle: LoadedDALLE, reranker: CLIPReranker, num_captions: int = 32, num_candidates: int = 16,
-             data_seed: int = 0, **kwargs) -> dict[str, dict]:
-    """Run the benchmark; returns {"all": ..., "held_out": ..., "not_held_out": ..., "single": ..., "pair": ...}
-    rows of `summarize` (subsets without captions are left out).
-    `kwargs` are those of `score_candidates` (batch_size, seed, sampling arguments)."""
+             data_seed: int = 0, **kwargs) -> tuple[dict[str, dict], torch.Tensor]:
+    """Run the benchmark; returns ({"all": ..., "held_out": ..., "not_held_out": ..., "single": ..., "pair": ...}
+    rows of `summarize` (subsets without captions are left out), the candidates' codes [C, N, codes]).
+    `kwargs` are those of `score_candidates` (batch_size, seed, candidates, sampling arguments)."""
     items = validation_captions(num_captions, data_seed)
-    correct, scores = score_candidates(dalle, reranker, [c for c, _ in items], num_candidates, **kwargs)
+    correct, scores, codes = score_candidates(dalle, reranker, [c for c, _ in items], num_candidates, **kwargs)
     held_out = torch.tensor([h for _, h in items])
     single = torch.tensor([parse_caption(c)["kind"] == "single" for c, _ in items])
     report = {"all": summarize(correct, scores)}
     for name, mask in (("held_out", held_out), ("not_held_out", ~held_out), ("single", single), ("pair", ~single)):
         if mask.any():
             report[name] = summarize(correct[mask], scores[mask])
-    return report
+    return report, codes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--data-seed", type=int, default=0, help="seed the shapes data was generated with")
     parser.add_argument("--json", default=None, help="also write the report (and the settings) to this JSON file")
+    parser.add_argument("--save-candidates", default=None, help="also write the sampled codes to this .safetensors file")
+    parser.add_argument("--candidates", default=None,
+                        help="score the codes of a --save-candidates file instead of sampling (sampling options unused)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     return parser
 
@@ -140,10 +180,19 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     args = build_parser().parse_args(argv)
     dalle = load_dalle(args.checkpoint, args.device)
     reranker = CLIPReranker.load(args.clip_model, args.clip_pretrained, args.device)
-    report = evaluate(dalle, reranker, args.num_captions, args.num_candidates, args.data_seed,
-                      batch_size=args.batch_size, seed=args.seed, temperature=args.temperature,
-                      top_k=args.top_k or None, top_p=args.top_p, guidance_scale=args.guidance_scale)
-    print(f"{args.num_captions} validation captions x {args.num_candidates} candidates, CLIP {args.clip_model}")
+    candidates = None
+    if args.candidates:
+        captions = [caption for caption, _ in validation_captions(args.num_captions, args.data_seed)]
+        candidates = load_candidates(args.candidates, captions, args.num_candidates)
+    report, codes = evaluate(dalle, reranker, args.num_captions, args.num_candidates, args.data_seed,
+                             batch_size=args.batch_size, seed=args.seed, candidates=candidates,
+                             temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
+                             guidance_scale=args.guidance_scale)
+    if args.save_candidates:
+        captions = [caption for caption, _ in validation_captions(args.num_captions, args.data_seed)]
+        save_candidates(args.save_candidates, captions, codes, vars(args))
+    source = f"the candidates of {args.candidates}" if args.candidates else f"{args.num_candidates} candidates"
+    print(f"{args.num_captions} validation captions x {source}, CLIP {args.clip_model}")
     print(format_table(report))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

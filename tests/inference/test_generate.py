@@ -7,8 +7,8 @@ from PIL import Image
 
 from inference import evaluate, generate
 from inference.checkpoint import load_dalle
-from inference.evaluate import summarize, validation_captions
-from recipes.shapes import parse_caption
+from inference.evaluate import load_candidates, summarize, validation_captions
+from recipes.shapes import check_caption, parse_caption
 
 
 def test_checkpoint_loads_without_unpickling(tiny_dalle_checkpoint):
@@ -87,3 +87,22 @@ def test_evaluate_cli_prints_a_table_and_writes_json(tiny_dalle_checkpoint, tiny
     for row in report.values():
         assert 0.0 <= row["random_acc"] <= row["best_of_n"] <= 1.0
         assert row["clip_top1_acc"] <= row["best_of_n"]
+
+
+def test_evaluate_rescores_saved_candidates_instead_of_sampling(tiny_dalle_checkpoint, tiny_clip_dir, tmp_path, capsys):
+    saved = tmp_path / "candidates.safetensors"
+    args = ["--checkpoint", str(tiny_dalle_checkpoint), "--clip-model", str(tiny_clip_dir), "--num-captions", "3",
+            "--num-candidates", "2", "--batch-size", "4"]
+    first = evaluate.main(args + ["--save-candidates", str(saved)])
+    captions = [caption for caption, _ in validation_captions(3)]
+    codes = load_candidates(saved, captions, 2)
+    assert codes.shape == (3, 2, 256)
+    # the file holds the judged pictures: the checker's verdicts on them give the report's random accuracy
+    correct = [check_caption(caption, grid) for caption, grids in zip(captions, codes) for grid in grids]
+    assert sum(correct) / len(correct) == pytest.approx(first["all"]["random_acc"])
+    # other sampling settings are unused: the same pictures, the same report
+    assert evaluate.main(args + ["--candidates", str(saved), "--seed", "7", "--temperature", "3"]) == first
+    assert "the candidates of" in capsys.readouterr().out
+    assert load_candidates(saved, captions[:2], 1).shape == (2, 1, 256)  # a prefix of captions and candidates
+    with pytest.raises(ValueError, match="do not start with"):
+        evaluate.main(args[:4] + ["--num-captions", "4", "--num-candidates", "2", "--candidates", str(saved)])
