@@ -194,6 +194,10 @@ class HivemindStrategy(SingleDeviceStrategy):
             raise ValueError("use_auto_relay=True requires use_relay=True")
         if isinstance(average_state_every, bool) or not isinstance(average_state_every, int) or average_state_every < 1:
             raise ValueError(f"average_state_every must be an integer >= 1, got {average_state_every!r}")
+        for name, value in [("averager_opts.leader_poll_interval", (averager_opts or {}).get("leader_poll_interval")),
+                            ("tracker_opts.min_report_interval", (tracker_opts or {}).get("min_report_interval"))]:
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+                raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
         for name, value in dict(compression=compression, load_state_compression=load_state_compression).items():
             if isinstance(value, str) and value not in COMPRESSION_CHOICES:
                 raise ValueError(f"{name} must be one of {COMPRESSION_CHOICES}, got {value!r}")

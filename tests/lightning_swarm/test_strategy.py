@@ -37,6 +37,8 @@ PEER = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWArQAx4zYSmHJMxr7inBhM9DWVPcPa8S6Soo
         (dict(compression="zip"), "compression"),
         (dict(load_state_compression="8bit"), "load_state_compression"),
         (dict(average_state_every=0), "average_state_every"),
+        (dict(averager_opts={"leader_poll_interval": -1}), "leader_poll_interval"),
+        (dict(tracker_opts={"min_report_interval": "often"}), "min_report_interval"),
     ],
 )
 def test_invalid_configurations_are_rejected_at_construction(kwargs, message):
