@@ -138,11 +138,14 @@ def format_table(report: dict[str, dict]) -> str:
 
 
 def evaluate(dalle: LoadedDALLE, reranker: CLIPReranker, num_captions: int = 32, num_candidates: int = 16,
-             data_seed: int = 0, **kwargs) -> tuple[dict[str, dict], torch.Tensor]:
+             data_seed: int = 0, items: list[tuple[str, bool]] | None = None,
+             **kwargs) -> tuple[dict[str, dict], torch.Tensor]:
     """Run the benchmark; returns ({"all": ..., "held_out": ..., "not_held_out": ..., "single": ..., "pair": ...}
     rows of `summarize` (subsets without captions are left out), the candidates' codes [C, N, codes]).
+    `items` are `validation_captions(num_captions, data_seed)` if the caller already has them.
     `kwargs` are those of `score_candidates` (batch_size, seed, candidates, sampling arguments)."""
-    items = validation_captions(num_captions, data_seed)
+    if items is None:
+        items = validation_captions(num_captions, data_seed)
     correct, scores, codes = score_candidates(dalle, reranker, [c for c, _ in items], num_candidates, **kwargs)
     held_out = torch.tensor([h for _, h in items])
     single = torch.tensor([parse_caption(c)["kind"] == "single" for c, _ in items])
@@ -180,16 +183,14 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     args = build_parser().parse_args(argv)
     dalle = load_dalle(args.checkpoint, args.device)
     reranker = CLIPReranker.load(args.clip_model, args.clip_pretrained, args.device)
-    candidates = None
-    if args.candidates:
-        captions = [caption for caption, _ in validation_captions(args.num_captions, args.data_seed)]
-        candidates = load_candidates(args.candidates, captions, args.num_candidates)
-    report, codes = evaluate(dalle, reranker, args.num_captions, args.num_candidates, args.data_seed,
+    items = validation_captions(args.num_captions, args.data_seed)
+    captions = [caption for caption, _ in items]
+    candidates = load_candidates(args.candidates, captions, args.num_candidates) if args.candidates else None
+    report, codes = evaluate(dalle, reranker, args.num_captions, args.num_candidates, args.data_seed, items=items,
                              batch_size=args.batch_size, seed=args.seed, candidates=candidates,
                              temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
                              guidance_scale=args.guidance_scale)
     if args.save_candidates:
-        captions = [caption for caption, _ in validation_captions(args.num_captions, args.data_seed)]
         save_candidates(args.save_candidates, captions, codes, vars(args))
     source = f"the candidates of {args.candidates}" if args.candidates else f"{args.num_candidates} candidates"
     print(f"{args.num_captions} validation captions x {source}, CLIP {args.clip_model}")

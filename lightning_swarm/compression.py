@@ -118,7 +118,7 @@ class Blockwise8BitQuantization(CompressionBase):
     compression_type = runtime_pb2.CompressionType.BLOCKWISE_8BIT
 
     def __init__(self, codebooks: tuple[torch.Tensor, ...] | None = None):
-        self.codebooks = tuple(codebooks) if codebooks is not None else (uniform_code(), dynamic_code())
+        self.codebooks = tuple(codebooks) if codebooks is not None else (_UNIFORM_CODE, dynamic_code())
         for code in self.codebooks:
             if code.numel() != 256 or not bool((code.diff() >= 0).all()):
                 raise ValueError("each codebook must hold 256 levels sorted in ascending order")
