@@ -10,6 +10,8 @@ two-shape captions):
 - random_acc: accuracy of a random candidate (the mean correctness over all candidates),
 - clip_top1_acc: accuracy of the candidate CLIP scores highest,
 - best_of_n: share of captions with at least one correct candidate (the ceiling of any reranker),
+- top1_gain: clip_top1_acc - random_acc, what reranking adds; gain_se: its standard error over the captions
+  (the benchmark's noise from which captions are drawn; the sampling seed adds more),
 - mean_clip: mean CLIP score of all candidates; top1_clip: mean score of CLIP's picks.
 
 `--save-candidates FILE` writes the sampled codes (safetensors, captions and sampling settings in its
@@ -114,14 +116,19 @@ def load_candidates(path: str | Path, captions: list[str], num_candidates: int) 
 
 
 def summarize(correct: torch.Tensor, scores: torch.Tensor) -> dict[str, float]:
-    """Accuracy of a random candidate, of CLIP's top-1, best-of-N and CLIP scores for [C, N] results."""
+    """Accuracy of a random candidate, of CLIP's top-1, best-of-N, the top-1 gain over random (with its standard
+    error over captions; 0 for a single caption) and CLIP scores for [C, N] results."""
     top1 = scores.argmax(-1)
     picked = correct.gather(1, top1[:, None]).squeeze(1)
+    gains = picked.float() - correct.float().mean(-1)  # per caption: CLIP's pick against a random candidate
+    num_captions = int(correct.shape[0])
     return {
-        "captions": int(correct.shape[0]),
+        "captions": num_captions,
         "random_acc": correct.float().mean().item(),
         "clip_top1_acc": picked.float().mean().item(),
         "best_of_n": correct.any(-1).float().mean().item(),
+        "top1_gain": gains.mean().item(),
+        "gain_se": (gains.std() / num_captions**0.5).item() if num_captions > 1 else 0.0,
         "mean_clip": scores.mean().item(),
         "top1_clip": scores.gather(1, top1[:, None]).mean().item(),
     }
@@ -129,10 +136,10 @@ def summarize(correct: torch.Tensor, scores: torch.Tensor) -> dict[str, float]:
 
 def format_table(report: dict[str, dict]) -> str:
     """A fixed-width text table of `summarize` results, one row per subset."""
-    columns = ["captions", "random_acc", "clip_top1_acc", "best_of_n", "mean_clip", "top1_clip"]
-    lines = [f"{'subset':<12}" + "".join(f"{c:>15}" for c in columns)]
+    columns = ["captions", "random_acc", "clip_top1_acc", "best_of_n", "top1_gain", "gain_se", "mean_clip", "top1_clip"]
+    lines = [f"{'subset':<12}" + "".join(f"{c:>14}" for c in columns)]
     for subset, row in report.items():
-        cells = "".join(f"{row[c]:>15d}" if c == "captions" else f"{row[c]:>15.3f}" for c in columns)
+        cells = "".join(f"{row[c]:>14d}" if c == "captions" else f"{row[c]:>14.3f}" for c in columns)
         lines.append(f"{subset:<12}{cells}")
     return "\n".join(lines)
 

@@ -59,6 +59,10 @@ def test_summary_counts_random_top1_and_best_of_n():
     assert row["random_acc"] == pytest.approx(3 / 12)
     assert row["clip_top1_acc"] == pytest.approx(1 / 3)  # caption 0 picks its correct image, 2 does not
     assert row["best_of_n"] == pytest.approx(2 / 3)
+    gains = torch.tensor([1 - 1 / 4, 0.0, 0 - 2 / 4])  # per caption: CLIP's pick minus the mean candidate
+    assert row["top1_gain"] == pytest.approx(row["clip_top1_acc"] - row["random_acc"])
+    assert row["gain_se"] == pytest.approx(gains.std().item() / 3**0.5)
+    assert summarize(correct[:1], scores[:1])["gain_se"] == 0.0  # no spread to measure from one caption
     assert row["top1_clip"] == pytest.approx((9 + 4 + 5) / 3)
 
 
@@ -74,7 +78,7 @@ def test_evaluate_cli_prints_a_table_and_writes_json(tiny_dalle_checkpoint, tiny
                             "--num-captions", "3", "--num-candidates", "2", "--batch-size", "6",
                             "--json", str(report_path)])
     table = capsys.readouterr().out
-    assert "clip_top1_acc" in table and "random_acc" in table
+    assert "clip_top1_acc" in table and "random_acc" in table and "top1_gain" in table
     assert json.loads(report_path.read_text())["report"] == report
     assert report["all"]["captions"] == 3
     # subsets by held-out pair and by kind, each partitioning the captions (empty subsets are left out)
