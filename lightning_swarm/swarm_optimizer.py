@@ -2,13 +2,15 @@
 
 Each hivemind peer runs a DHT process and two averager processes next to training. Left as they are, they take a
 good part of a CPU core even when the peer is alone, which costs training throughput wherever cores are scarce.
-SwarmOptimizer changes three things and nothing else:
+SwarmOptimizer changes four things and nothing else:
 - progress is published through :class:`~lightning_swarm.tracker.ThrottledProgressTracker` (not a DHT store on
   every local step);
 - both averagers search for groups through :class:`~lightning_swarm.matchmaking.ThrottledLeaderSearch` (not a DHT
   poll loop without pause);
 - a peer alone in the run does not pre-schedule averaging rounds: there is no one to find, and hivemind would only
-  search until it cancels the round at the end of the epoch.
+  search until it cancels the round at the end of the epoch;
+- in a swarm, state averaging rounds are pre-scheduled like gradient rounds (hivemind 1.1.12 never does, see
+  ``_maybe_schedule_state_averaging``), so their group is ready when the epoch ends.
 """
 
 from __future__ import annotations
@@ -93,5 +95,13 @@ class SwarmOptimizer(hivemind.Optimizer):
             super()._maybe_schedule_gradient_averaging()
 
     def _maybe_schedule_state_averaging(self) -> None:
-        if not self._alone:  # hivemind averages state only when num_peers > 1 anyway
-            super()._maybe_schedule_state_averaging()
+        if self._alone:  # hivemind averages state only when num_peers > 1 anyway
+            return
+        if self.delay_before_state_averaging.num_updates == 0:
+            # hivemind 1.1.12 pre-schedules state averaging only once it has measured the delay between an epoch's
+            # end and its state averaging step, and measures that delay only after a pre-scheduled round: so it
+            # never pre-schedules one. Every state round then searches for a group only after the epoch ended
+            # (at least matchmaking_time), and a peer whose round ends late waits for it at its next epoch.
+            # The delay is a few milliseconds (the gradient round is started in between); seed it with zero.
+            self.delay_before_state_averaging.update(task_size=1, interval=0.0)
+        super()._maybe_schedule_state_averaging()

@@ -8,9 +8,13 @@
    (delay_optimizer_step + delay_grad_averaging + delay_state_averaging). "Alone" is measured twice: one peer
    on the machine, and two unrelated one-peer runs side by side (the same machine load as the 2-peer swarm).
 
+   Two figures per peer: over the whole timed window, and in the steady state (from BENCH_WARMUP seconds, 15 by
+   default, to the end: without the join, where the second peer downloads the state, and the first epochs).
+
 Run: python tests/benchmarks/bench_swarm.py [averaging|throughput|all]
      BENCH_AVERAGE_STATE_EVERY=4 python tests/benchmarks/bench_swarm.py throughput   (state averaging every 4 epochs)
      BENCH_TARGET=65536 python tests/benchmarks/bench_swarm.py throughput             (4x longer global epochs)
+     BENCH_TARGET=131072 BENCH_SECONDS=150 python tests/benchmarks/bench_swarm.py throughput  (~30 s epochs)
 The machine is shared (2 cores): run it when nothing else runs, the ratio moves a lot with background load.
 """
 
@@ -101,20 +105,23 @@ def bench_averaging(rounds: int = 3) -> None:
 # samples per global epoch: 16384 is about 4 s of the 2-peer swarm's work between averaging rounds (hivemind suggests
 # matchmaking_time 3-5 s for local runs, 10-15 s over the Internet, so real epochs last longer)
 TARGET = int(os.environ.get("BENCH_TARGET", "16384"))
+SECONDS = float(os.environ.get("BENCH_SECONDS", "60"))  # timed training per run
+WARMUP = float(os.environ.get("BENCH_WARMUP", "15"))  # the steady state starts this many seconds into the window
 MODEL = {"in_dim": 1024, "hidden": 4096, "lr": 0.01, "lr_decay": 1.0}  # peer_worker.TinyRegression's MLP
 DATA = {"batch_size": 64, "in_dim": 1024, "num_samples": 30_000}
 
 
 def _run_peers(root: Path, specs: list, seconds: float, join: bool) -> list:
     """Start peers (name, run_id, data offset), the later ones joining the first if `join`; return their
-    samples/s over the timed window (all peers start timing together, at a barrier)."""
+    (samples/s over the timed window, samples/s in the steady state, global epochs). All peers start timing together,
+    at a barrier."""
     from swarm_harness import Peer
 
     overlap = dict(delay_optimizer_step=True, delay_grad_averaging=True, delay_state_averaging=True,
-                   matchmaking_time=2.0, averaging_timeout=30.0, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                   matchmaking_time=float(os.environ.get("BENCH_MATCHMAKING_TIME", "2.0")), averaging_timeout=30.0, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                    metrics_interval=5.0, average_state_every=int(os.environ.get("BENCH_AVERAGE_STATE_EVERY", "1")))
     recorder = {"stop_at_epoch": 100_000, "max_seconds": seconds, "barrier_dir": str(root / "barrier"),
-                "barrier_count": len(specs), "wait_for_swarm": join, "record_params": False}
+                "barrier_count": len(specs), "wait_for_swarm": join, "record_params": False, "warmup_seconds": WARMUP}
     peers = []
     try:
         initial_peers = None
@@ -132,33 +139,39 @@ def _run_peers(root: Path, specs: list, seconds: float, join: bool) -> list:
             peer.kill()
     results = []
     for peer in peers:
-        end = peer.events()[-1]
-        results.append((end["samples"] / end["elapsed"], end["epoch"]))
+        events = peer.events()
+        end, warm = events[-1], next(event for event in events if event["kind"] == "warm")
+        steady = (end["samples"] - warm["samples"]) / (end["elapsed"] - warm["elapsed"])
+        results.append((end["samples"] / end["elapsed"], steady, end["epoch"]))
     return results
 
 
-def bench_throughput(seconds: float = 60.0) -> None:
+def bench_throughput(seconds: float = SECONDS) -> None:
     in_dim, hidden = MODEL["in_dim"], MODEL["hidden"]
     params = in_dim * hidden + hidden + hidden + 1
     print(f"== throughput: MLP with {params / 1e6:.2f}M parameters, batch {DATA['batch_size']}, 1 torch thread per peer, "
-          f"{seconds:.0f} s of training per run, target_batch_size {TARGET}")
+          f"{seconds:.0f} s of training per run (steady state from {WARMUP:.0f} s), target_batch_size {TARGET}")
     print("   Each peer process also runs hivemind's DHT, two averager processes and a p2p daemon. On a 2-core machine\n"
           "   a single peer has a spare core for them, two peers do not: 'alone x2' runs two unrelated one-peer\n"
-          "   swarms side by side, i.e. the same machine load without the swarm, and isolates the swarm's own cost.")
+          "   swarms side by side, i.e. the same machine load without the swarm, and isolates the swarm's own cost.\n"
+          "   samples/s: whole window | steady state")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        (alone_sps, alone_epochs), = _run_peers(root / "alone", [("alone", "bench_alone", 0)], seconds, join=False)
-        print(f"alone     : {alone_sps:8.1f} samples/s ({alone_epochs} global epochs)", flush=True)
+        (alone, alone_steady, alone_epochs), = _run_peers(root / "alone", [("alone", "bench_alone", 0)], seconds,
+                                                           join=False)
+        print(f"alone       : {alone:8.1f} | {alone_steady:8.1f} samples/s ({alone_epochs} global epochs)", flush=True)
         side_by_side = _run_peers(root / "alone_x2", [("solo_a", "bench_solo_a", 0), ("solo_b", "bench_solo_b", 30_000)],
                                   seconds, join=False)
-        for name, (sps, epochs) in zip(("solo_a", "solo_b"), side_by_side):
-            print(f"alone x2  : {sps:8.1f} samples/s ({name}, {epochs} global epochs)", flush=True)
-        side_by_side_sps = sum(sps for sps, _ in side_by_side) / 2
+        for name, (sps, steady, epochs) in zip(("solo_a", "solo_b"), side_by_side):
+            print(f"alone x2    : {sps:8.1f} | {steady:8.1f} samples/s ({name}, {epochs} global epochs)", flush=True)
+        x2 = sum(sps for sps, _, _ in side_by_side) / 2
+        x2_steady = sum(steady for _, steady, _ in side_by_side) / 2
         swarm = _run_peers(root / "swarm", [("first", "bench_pair", 0), ("second", "bench_pair", 30_000)], seconds,
                            join=True)
-        for name, (sps, epochs) in zip(("first", "second"), swarm):
-            print(f"2-peer swarm: {sps:8.1f} samples/s ({name}, {epochs} global epochs) -> ratio to alone "
-                  f"{sps / alone_sps:.2f}, to alone x2 {sps / side_by_side_sps:.2f}", flush=True)
+        for name, (sps, steady, epochs) in zip(("first", "second"), swarm):
+            print(f"2-peer swarm: {sps:8.1f} | {steady:8.1f} samples/s ({name}, {epochs} global epochs) -> ratio to "
+                  f"alone {sps / alone:.2f} | {steady / alone_steady:.2f}, to alone x2 {sps / x2:.2f} | "
+                  f"{steady / x2_steady:.2f}", flush=True)
 
 
 if __name__ == "__main__":

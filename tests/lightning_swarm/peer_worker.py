@@ -93,15 +93,18 @@ class SwarmRecorder(pl.Callback):
         `wait_for_swarm` is False (peers of different runs that only start together).
     checkpoint_at_stop: if set, save a Lightning checkpoint to this path when stopping.
     record_params: save the parameters at every global epoch (benchmarks turn it off: it is not training work).
+    warmup_seconds: if set, write a "warm" event (samples so far, elapsed) at the first step after this many seconds,
+        so that benchmarks can measure the steady state without the join (state download) and the first epoch.
     """
 
     def __init__(self, out_dir: str, stop_at_epoch: int = 3, max_seconds: float = 120.0,
                  barrier_dir: Optional[str] = None, barrier_count: int = 1, checkpoint_at_stop: Optional[str] = None,
-                 wait_for_swarm: bool = True, record_params: bool = True):
+                 wait_for_swarm: bool = True, record_params: bool = True, warmup_seconds: Optional[float] = None):
         self.out_dir = Path(out_dir)
         self.stop_at_epoch, self.max_seconds = stop_at_epoch, max_seconds
         self.barrier_dir, self.barrier_count, self.wait_for_swarm = barrier_dir, barrier_count, wait_for_swarm
         self.checkpoint_at_stop, self.record_params = checkpoint_at_stop, record_params
+        self.warmup_seconds, self._warm = warmup_seconds, False
         self._last_epoch: Optional[int] = None
         self._start: Optional[float] = None
 
@@ -153,6 +156,11 @@ class SwarmRecorder(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self._record(trainer, pl_module, "step")
+        elapsed = time.perf_counter() - self._start
+        if self.warmup_seconds is not None and not self._warm and elapsed >= self.warmup_seconds:
+            self._warm = True
+            self._write_event(kind="warm", epoch=trainer.strategy.global_epoch, elapsed=elapsed,
+                              samples=trainer.strategy.stats.samples_contributed, time=time.time(), pid=os.getpid())
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         from lightning_swarm.metrics import fetch_metrics

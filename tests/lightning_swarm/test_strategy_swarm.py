@@ -168,3 +168,23 @@ def test_resume_restores_global_epoch_and_schedule(tmp_path, peers):
     assert_close_params(resumed.params(3), first.params(3), atol=1e-6)
     assert resumed.max_epoch() == 5
     assert math.isclose([e for e in events if e["epoch"] == 5][0]["lr"], 0.1 * 0.5**5, rel_tol=1e-6)
+
+
+def test_overlapped_peers_preschedule_state_averaging(tmp_path, peers):
+    """With the overlap options, both peers pre-schedule their state averaging rounds before each epoch's end
+    (hivemind 1.1.12 alone never does: SwarmOptimizer seeds the delay it waits to measure), and stay in sync."""
+    recorder = {"stop_at_epoch": 4, "max_seconds": 90, "barrier_dir": str(tmp_path / "barrier"), "barrier_count": 2}
+    overlap = dict(delay_optimizer_step=True, delay_grad_averaging=True, delay_state_averaging=True,
+                   average_state_every=1, verbose=True)  # verbose: hivemind logs its scheduling at INFO
+    common = dict(model={"step_delay": 0.05}, data={"batch_size": 8}, recorder=recorder)  # ~3 s epochs
+    first = Peer(tmp_path, "first", strategy_args("presched", 96, **overlap), **common)
+    peers.append(first)
+    second = Peer(tmp_path, "second", strategy_args("presched", 96, initial_peers=first.join_peers(), **overlap),
+                  **dict(common, data={"batch_size": 8, "offset": 50_000}))
+    peers.append(second)
+    for peer in (first, second):
+        peer.wait(timeout=150)
+    for peer in (first, second):
+        assert peer.max_epoch() >= 4, peer.events()
+        assert "Pre-scheduling state averaging round" in peer.log(), peer.log()[-3000:]
+    assert_close_params(first.params(4), second.params(4), atol=1e-2)
