@@ -15,6 +15,8 @@ Run: python tests/benchmarks/bench_swarm.py [averaging|throughput|all]
      BENCH_AVERAGE_STATE_EVERY=4 python tests/benchmarks/bench_swarm.py throughput   (state averaging every 4 epochs)
      BENCH_TARGET=65536 python tests/benchmarks/bench_swarm.py throughput             (4x longer global epochs)
      BENCH_TARGET=131072 BENCH_SECONDS=150 python tests/benchmarks/bench_swarm.py throughput  (~30 s epochs)
+     BENCH_PIN=1 python tests/benchmarks/bench_swarm.py throughput   (each peer with all its processes on its own core,
+                                                                     like one peer per 1-core machine; alone too)
 The machine is shared (2 cores): run it when nothing else runs, the ratio moves a lot with background load.
 """
 
@@ -107,6 +109,7 @@ def bench_averaging(rounds: int = 3) -> None:
 TARGET = int(os.environ.get("BENCH_TARGET", "16384"))
 SECONDS = float(os.environ.get("BENCH_SECONDS", "60"))  # timed training per run
 WARMUP = float(os.environ.get("BENCH_WARMUP", "15"))  # the steady state starts this many seconds into the window
+PIN = os.environ.get("BENCH_PIN", "0") == "1"  # peer i and all its processes on core i % 2 (taskset)
 MODEL = {"in_dim": 1024, "hidden": 4096, "lr": 0.01, "lr_decay": 1.0}  # peer_worker.TinyRegression's MLP
 DATA = {"batch_size": 64, "in_dim": 1024, "num_samples": 30_000}
 
@@ -129,7 +132,8 @@ def _run_peers(root: Path, specs: list, seconds: float, join: bool) -> list:
             strategy = dict(run_id=run_id, target_batch_size=TARGET, **overlap)
             if join and initial_peers:
                 strategy["initial_peers"] = initial_peers
-            peers.append(Peer(root, name, strategy, model=MODEL, data=dict(DATA, offset=offset), recorder=recorder))
+            peers.append(Peer(root, name, strategy, model=MODEL, data=dict(DATA, offset=offset), recorder=recorder,
+                              cpus=str(len(peers) % 2) if PIN else None))
             if join and initial_peers is None:
                 initial_peers = peers[0].join_peers(timeout=240)
         for peer in peers:
@@ -150,7 +154,8 @@ def bench_throughput(seconds: float = SECONDS) -> None:
     in_dim, hidden = MODEL["in_dim"], MODEL["hidden"]
     params = in_dim * hidden + hidden + hidden + 1
     print(f"== throughput: MLP with {params / 1e6:.2f}M parameters, batch {DATA['batch_size']}, 1 torch thread per peer, "
-          f"{seconds:.0f} s of training per run (steady state from {WARMUP:.0f} s), target_batch_size {TARGET}")
+          f"{seconds:.0f} s of training per run (steady state from {WARMUP:.0f} s), target_batch_size {TARGET}"
+          + (", each peer pinned to its own core" if PIN else ""))
     print("   Each peer process also runs hivemind's DHT, two averager processes and a p2p daemon. On a 2-core machine\n"
           "   a single peer has a spare core for them, two peers do not: 'alone x2' runs two unrelated one-peer\n"
           "   swarms side by side, i.e. the same machine load without the swarm, and isolates the swarm's own cost.\n"

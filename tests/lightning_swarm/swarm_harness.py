@@ -22,10 +22,15 @@ JOIN_OPTION = re.compile(r"--trainer\.strategy\.init_args\.initial_peers='(\[.*?
 
 
 class Peer:
-    """One peer process: its config, output directory and log."""
+    """One peer process: its config, output directory and log.
+
+    cpus: if set (e.g. "0"), the peer and every process it starts (DHT, averagers, p2p daemon) run only on these CPU
+        cores (taskset), like a peer alone on a machine with that many cores.
+    """
 
     def __init__(self, root: Path, name: str, strategy: Dict[str, Any], model: Dict[str, Any], data: Dict[str, Any],
-                 recorder: Dict[str, Any], trainer: Optional[Dict[str, Any]] = None, extra_args: List[str] = ()):
+                 recorder: Dict[str, Any], trainer: Optional[Dict[str, Any]] = None, extra_args: List[str] = (),
+                 cpus: Optional[str] = None):
         self.name, self.out_dir = name, root / name
         self.out_dir.mkdir(parents=True, exist_ok=True)
         config = {
@@ -47,7 +52,8 @@ class Peer:
         env.pop("LIGHTNING_SWARM_INITIAL_PEERS", None)
         self._log_file = open(self.log_path, "w")
         self.process = subprocess.Popen(
-            [sys.executable, str(WORKER), "fit", "--config", str(self.config_path), *extra_args],
+            [*(["taskset", "-c", cpus] if cpus else []), sys.executable, str(WORKER), "fit", "--config",
+             str(self.config_path), *extra_args],
             stdout=self._log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
 
