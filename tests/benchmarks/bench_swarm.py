@@ -14,7 +14,8 @@
 Run: python tests/benchmarks/bench_swarm.py [averaging|throughput|all]
      BENCH_AVERAGE_STATE_EVERY=4 python tests/benchmarks/bench_swarm.py throughput   (state averaging every 4 epochs)
      BENCH_TARGET=65536 python tests/benchmarks/bench_swarm.py throughput             (4x longer global epochs)
-     BENCH_TARGET=131072 BENCH_SECONDS=150 python tests/benchmarks/bench_swarm.py throughput  (~30 s epochs)
+     BENCH_TARGET=131072 BENCH_SECONDS=150 BENCH_WARMUP=30 python tests/benchmarks/bench_swarm.py throughput  (~25 s epochs)
+     BENCH_MATCHMAKING_TIME=1.0 python tests/benchmarks/bench_swarm.py throughput     (matchmaking_time, default 2 s)
      BENCH_PIN=1 python tests/benchmarks/bench_swarm.py throughput   (each peer with all its processes on its own core,
                                                                      like one peer per 1-core machine; alone too)
 The machine is shared (2 cores): run it when nothing else runs, the ratio moves a lot with background load.
@@ -110,6 +111,8 @@ TARGET = int(os.environ.get("BENCH_TARGET", "16384"))
 SECONDS = float(os.environ.get("BENCH_SECONDS", "60"))  # timed training per run
 WARMUP = float(os.environ.get("BENCH_WARMUP", "15"))  # the steady state starts this many seconds into the window
 PIN = os.environ.get("BENCH_PIN", "0") == "1"  # peer i and all its processes on core i % 2 (taskset)
+MATCHMAKING_TIME = float(os.environ.get("BENCH_MATCHMAKING_TIME", "2.0"))
+AVERAGE_STATE_EVERY = int(os.environ.get("BENCH_AVERAGE_STATE_EVERY", "1"))
 MODEL = {"in_dim": 1024, "hidden": 4096, "lr": 0.01, "lr_decay": 1.0}  # peer_worker.TinyRegression's MLP
 DATA = {"batch_size": 64, "in_dim": 1024, "num_samples": 30_000}
 
@@ -121,8 +124,8 @@ def _run_peers(root: Path, specs: list, seconds: float, join: bool) -> list:
     from swarm_harness import Peer
 
     overlap = dict(delay_optimizer_step=True, delay_grad_averaging=True, delay_state_averaging=True,
-                   matchmaking_time=float(os.environ.get("BENCH_MATCHMAKING_TIME", "2.0")), averaging_timeout=30.0, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                   metrics_interval=5.0, average_state_every=int(os.environ.get("BENCH_AVERAGE_STATE_EVERY", "1")))
+                   matchmaking_time=MATCHMAKING_TIME, averaging_timeout=30.0, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                   metrics_interval=5.0, average_state_every=AVERAGE_STATE_EVERY)
     recorder = {"stop_at_epoch": 100_000, "max_seconds": seconds, "barrier_dir": str(root / "barrier"),
                 "barrier_count": len(specs), "wait_for_swarm": join, "record_params": False, "warmup_seconds": WARMUP}
     peers = []
