@@ -250,7 +250,12 @@ def test_monitor_with_two_trainers_checkpoint_and_revert(tmp_path):
             assert torch.equal(fresh.state_dict()[key], value), key
         from safetensors.torch import load_file
 
-        for name in "ab":  # the state moved away from where each trainer started: it is trained state
+        # the state moved away from where each trainer started: it is trained state. A trainer that joined late
+        # started from the swarm's state at its join epoch, which is the uploaded state if that is the same epoch
+        start_epochs = {name: read_jsonl(str(tmp_path / name / "start.json"))[0]["global_epoch"] for name in "ab"}
+        started_before = [name for name, epoch in start_epochs.items() if epoch < uploaded.meta["global_epoch"]]
+        assert started_before  # the first trainer started at epoch 0
+        for name in started_before:
             started = load_file(str(tmp_path / name / "start.safetensors"))
             assert not torch.equal(started["mid.weight"], fresh.mid.weight.detach())
 
