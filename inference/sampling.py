@@ -7,7 +7,7 @@ position (`model.decode_step`); without it every code re-runs the whole sequence
 Both draw from the same logits with the same generator calls, so the same seed gives the same codes.
 
 Classifier-free guidance: with `guidance_scale` s != 1 the batch is doubled with all-pad captions (the
-unconditional pass) and the logits become `uncond + s * (cond - uncond)`. The caption tensor passed in is
+unconditional pass, `recipes.dalle.module.unconditional_text`, the captions `text_dropout` trains on) and the logits become `uncond + s * (cond - uncond)`. The caption tensor passed in is
 never modified (DALLE-pytorch's `generate_images` zeroed the caller's prompt in place to build its
 unconditional batch, so a second call sampled unconditionally).
 """
@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from inference.filtering import sample_from_logits
+from recipes.dalle.module import unconditional_text
 
 
 def guided_logits(logits: torch.Tensor, guidance_scale: float) -> torch.Tensor:
@@ -58,7 +59,7 @@ def sample_codes(
     num_codes = config.num_image
     guided = guidance_scale != 1.0
     # a new tensor for the unconditional rows: the caller's `text` is never written to
-    batch_text = torch.cat([text, torch.zeros_like(text)]) if guided else text
+    batch_text = torch.cat([text, unconditional_text(text)]) if guided else text
 
     def next_code(logits: torch.Tensor) -> torch.Tensor:
         if guided:

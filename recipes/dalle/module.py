@@ -18,6 +18,15 @@ def default_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.96), weight_decay=0.01, fused=True)
 
 
+def unconditional_text(text: torch.Tensor) -> torch.Tensor:
+    """The caption of "no caption" for `text` [B, T]: a new tensor of all pads (id 0), same shape.
+
+    Training with `text_dropout` shows the model these captions, and classifier-free guidance
+    (`inference.sampling.sample_codes`) runs its unconditional pass on them: both must use this one definition.
+    """
+    return torch.zeros_like(text)
+
+
 class DALLEModule(L.LightningModule):
     """Trains a `DALLE` on batches `{"text": LongTensor[B, T], "image": LongTensor[B, N]}`.
 
@@ -31,6 +40,9 @@ class DALLEModule(L.LightningModule):
         warmup_steps: optimizer steps of linear LR warm-up. Under HivemindStrategy a step is a global epoch.
         decay_steps: optimizer steps of cosine decay after warm-up (None: constant LR after warm-up).
         min_lr_ratio: the LR at the end of the decay, as a fraction of the peak LR.
+        text_dropout: probability that a training example's caption is replaced by `unconditional_text`
+            (caption dropout), so that the model also learns p(image) and classifier-free guidance
+            (`--guidance-scale`) has an unconditional model to push away from. Validation always uses the captions.
     """
 
     def __init__(
@@ -43,6 +55,7 @@ class DALLEModule(L.LightningModule):
         warmup_steps: int = 100,
         decay_steps: int | None = None,
         min_lr_ratio: float = 0.1,
+        text_dropout: float = 0.0,
     ):
         super().__init__()
         if image_codec not in ("palette", "vqgan"):
@@ -51,11 +64,13 @@ class DALLEModule(L.LightningModule):
             raise ValueError("warmup_steps must be >= 0 and decay_steps > 0 (or None)")
         if not 0.0 <= min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must lie in [0, 1], got {min_lr_ratio}")
+        if not 0.0 <= text_dropout <= 1.0:
+            raise ValueError(f"text_dropout must lie in [0, 1], got {text_dropout}")
         # Plain types only, so checkpoints load with torch.load(weights_only=True).
         self.save_hyperparameters({
             "config": asdict(config), "image_codec": image_codec, "vqgan_config": vqgan_config,
             "vqgan_checkpoint": vqgan_checkpoint, "warmup_steps": warmup_steps, "decay_steps": decay_steps,
-            "min_lr_ratio": min_lr_ratio,
+            "min_lr_ratio": min_lr_ratio, "text_dropout": text_dropout,
         })
         self.config = config
         self.model = DALLE(config)
@@ -111,9 +126,17 @@ class DALLEModule(L.LightningModule):
                 f"text_seq_len={c.text_seq_len} and image_grid_size**2={c.image_grid_size ** 2}: make "
                 f"data.text_seq_len / data.image_grid_size match model.config")
 
+    def drop_captions(self, text: torch.Tensor) -> torch.Tensor:
+        """`text` [B, T] with each row replaced by `unconditional_text` with probability `text_dropout`."""
+        p = self.hparams["text_dropout"]
+        if p == 0.0:
+            return text
+        dropped = torch.rand(text.shape[0], device=text.device) < p
+        return torch.where(dropped[:, None], unconditional_text(text), text)
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         self._check_batch(batch)
-        losses = self.model.compute_loss(batch["text"], batch["image"])
+        losses = self.model.compute_loss(self.drop_captions(batch["text"]), batch["image"])
         batch_size = batch["text"].shape[0]
         self.log("train/loss", losses["loss"], prog_bar=True, batch_size=batch_size)
         self.log("train/text_loss", losses["text_loss"], batch_size=batch_size)

@@ -7,7 +7,7 @@ import torch
 
 from recipes.cli import main
 from recipes.dalle.model import DALLEConfig
-from recipes.dalle.module import DALLEModule
+from recipes.dalle.module import DALLEModule, unconditional_text
 
 TINY = [
     "--config", "configs/dalle_tiny.yaml",
@@ -55,3 +55,32 @@ def test_bad_module_options_are_rejected():
         DALLEModule(config, min_lr_ratio=2.0)
     with pytest.raises(ValueError, match="vqgan_config"):
         DALLEModule(config, image_codec="vqgan").image_codec()
+    with pytest.raises(ValueError, match="text_dropout"):
+        DALLEModule(config, text_dropout=1.5)
+
+
+@pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)`")  # training_step without a Trainer
+def test_text_dropout_trains_on_the_unconditional_captions_of_guidance():
+    """Dropped captions are exactly the unconditional text that classifier-free guidance samples with."""
+    config = DALLEConfig(dim=32, depth=2, heads=2, dim_head=8, text_seq_len=8, image_vocab_size=8, image_grid_size=4,
+                         conv_kernel_size=3)
+    torch.manual_seed(0)
+    text = torch.randint(1, config.text_vocab_size, (4, config.text_seq_len))
+    image = torch.randint(0, config.image_vocab_size, (4, config.num_image))
+    batch = {"text": text, "image": image}
+    original = text.clone()
+    module = DALLEModule(config)
+    with torch.no_grad():
+        conditional = module.model.compute_loss(text, image)["loss"]
+        unconditional = module.model.compute_loss(unconditional_text(text), image)["loss"]
+        assert not torch.allclose(conditional, unconditional)
+        for text_dropout, expected in ((0.0, conditional), (1.0, unconditional)):
+            module.hparams["text_dropout"] = text_dropout
+            torch.testing.assert_close(module.training_step(batch, 0), expected)
+        # half the captions dropped: per row, either the caption or the unconditional text, and both occur
+        module.hparams["text_dropout"] = 0.5
+        dropped = module.drop_captions(text.repeat(8, 1))
+        is_pad = (dropped == 0).all(-1)
+        assert 0 < is_pad.sum() < len(dropped)
+        assert torch.equal(dropped[~is_pad], text.repeat(8, 1)[~is_pad])
+    assert torch.equal(text, original)  # the batch's captions are never overwritten
