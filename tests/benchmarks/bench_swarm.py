@@ -16,6 +16,7 @@ Run: python tests/benchmarks/bench_swarm.py [averaging|throughput|all]
      BENCH_TARGET=65536 python tests/benchmarks/bench_swarm.py throughput             (4x longer global epochs)
      BENCH_TARGET=131072 BENCH_SECONDS=150 BENCH_WARMUP=30 python tests/benchmarks/bench_swarm.py throughput  (~25 s epochs)
      BENCH_MATCHMAKING_TIME=1.0 python tests/benchmarks/bench_swarm.py throughput     (matchmaking_time, default 2 s)
+     BENCH_REPEATS=3 python tests/benchmarks/bench_swarm.py throughput   (3 interleaved repeats, median ratios)
      BENCH_PIN=1 python tests/benchmarks/bench_swarm.py throughput   (each peer with all its processes on its own core,
                                                                      like one peer per 1-core machine; alone too)
 The machine is shared (2 cores): run it when nothing else runs, the ratio moves a lot with background load.
@@ -113,6 +114,7 @@ WARMUP = float(os.environ.get("BENCH_WARMUP", "15"))  # the steady state starts 
 PIN = os.environ.get("BENCH_PIN", "0") == "1"  # peer i and all its processes on core i % 2 (taskset)
 MATCHMAKING_TIME = float(os.environ.get("BENCH_MATCHMAKING_TIME", "2.0"))
 AVERAGE_STATE_EVERY = int(os.environ.get("BENCH_AVERAGE_STATE_EVERY", "1"))
+REPEATS = int(os.environ.get("BENCH_REPEATS", "1"))  # alone / alone x2 / swarm, interleaved, this many times
 MODEL = {"in_dim": 1024, "hidden": 4096, "lr": 0.01, "lr_decay": 1.0}  # peer_worker.TinyRegression's MLP
 DATA = {"batch_size": 64, "in_dim": 1024, "num_samples": 30_000}
 
@@ -153,33 +155,52 @@ def _run_peers(root: Path, specs: list, seconds: float, join: bool) -> list:
     return results
 
 
-def bench_throughput(seconds: float = SECONDS) -> None:
+def _median(values: list) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def bench_throughput(seconds: float = SECONDS, repeats: int = REPEATS) -> None:
     in_dim, hidden = MODEL["in_dim"], MODEL["hidden"]
     params = in_dim * hidden + hidden + hidden + 1
     print(f"== throughput: MLP with {params / 1e6:.2f}M parameters, batch {DATA['batch_size']}, 1 torch thread per peer, "
-          f"{seconds:.0f} s of training per run (steady state from {WARMUP:.0f} s), target_batch_size {TARGET}"
+          f"{seconds:.0f} s of training per run (steady state from {WARMUP:.0f} s), target_batch_size {TARGET}, "
+          f"{repeats} interleaved repeat(s) of alone / alone x2 / swarm"
           + (", each peer pinned to its own core" if PIN else ""))
     print("   Each peer process also runs hivemind's DHT, two averager processes and a p2p daemon. On a 2-core machine\n"
           "   a single peer has a spare core for them, two peers do not: 'alone x2' runs two unrelated one-peer\n"
           "   swarms side by side, i.e. the same machine load without the swarm, and isolates the swarm's own cost.\n"
+          "   The machine's speed drifts by 10% over minutes: each repeat's ratios use that repeat's alone runs.\n"
           "   samples/s: whole window | steady state")
+    ratios = {"first": [], "second": []}  # steady-state ratios to alone, one per repeat
+    ratios_x2 = {"first": [], "second": []}
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        (alone, alone_steady, alone_epochs), = _run_peers(root / "alone", [("alone", "bench_alone", 0)], seconds,
-                                                           join=False)
-        print(f"alone       : {alone:8.1f} | {alone_steady:8.1f} samples/s ({alone_epochs} global epochs)", flush=True)
-        side_by_side = _run_peers(root / "alone_x2", [("solo_a", "bench_solo_a", 0), ("solo_b", "bench_solo_b", 30_000)],
-                                  seconds, join=False)
-        for name, (sps, steady, epochs) in zip(("solo_a", "solo_b"), side_by_side):
-            print(f"alone x2    : {sps:8.1f} | {steady:8.1f} samples/s ({name}, {epochs} global epochs)", flush=True)
-        x2 = sum(sps for sps, _, _ in side_by_side) / 2
-        x2_steady = sum(steady for _, steady, _ in side_by_side) / 2
-        swarm = _run_peers(root / "swarm", [("first", "bench_pair", 0), ("second", "bench_pair", 30_000)], seconds,
-                           join=True)
-        for name, (sps, steady, epochs) in zip(("first", "second"), swarm):
-            print(f"2-peer swarm: {sps:8.1f} | {steady:8.1f} samples/s ({name}, {epochs} global epochs) -> ratio to "
-                  f"alone {sps / alone:.2f} | {steady / alone_steady:.2f}, to alone x2 {sps / x2:.2f} | "
-                  f"{steady / x2_steady:.2f}", flush=True)
+        for repeat in range(repeats):
+            root = Path(tmp) / f"repeat_{repeat}"
+            (alone, alone_steady, alone_epochs), = _run_peers(root / "alone", [("alone", "bench_alone", 0)], seconds,
+                                                               join=False)
+            print(f"[{repeat}] alone       : {alone:8.1f} | {alone_steady:8.1f} samples/s ({alone_epochs} global epochs)",
+                  flush=True)
+            side_by_side = _run_peers(root / "alone_x2", [("solo_a", "bench_solo_a", 0),
+                                                          ("solo_b", "bench_solo_b", 30_000)], seconds, join=False)
+            for name, (sps, steady, epochs) in zip(("solo_a", "solo_b"), side_by_side):
+                print(f"[{repeat}] alone x2    : {sps:8.1f} | {steady:8.1f} samples/s ({name}, {epochs} global epochs)",
+                      flush=True)
+            x2 = sum(sps for sps, _, _ in side_by_side) / 2
+            x2_steady = sum(steady for _, steady, _ in side_by_side) / 2
+            swarm = _run_peers(root / "swarm", [("first", "bench_pair", 0), ("second", "bench_pair", 30_000)], seconds,
+                               join=True)
+            for name, (sps, steady, epochs) in zip(("first", "second"), swarm):
+                ratios[name].append(steady / alone_steady)
+                ratios_x2[name].append(steady / x2_steady)
+                print(f"[{repeat}] 2-peer swarm: {sps:8.1f} | {steady:8.1f} samples/s ({name}, {epochs} global epochs) -> "
+                      f"ratio to alone {sps / alone:.2f} | {steady / alone_steady:.2f}, to alone x2 {sps / x2:.2f} | "
+                      f"{steady / x2_steady:.2f}", flush=True)
+    for name in ("first", "second"):
+        print(f"steady-state ratio, {name} peer: to alone " + " ".join(f"{r:.2f}" for r in ratios[name])
+              + f" (median {_median(ratios[name]):.2f}, min {min(ratios[name]):.2f}), to alone x2 "
+              + " ".join(f"{r:.2f}" for r in ratios_x2[name]) + f" (median {_median(ratios_x2[name]):.2f})", flush=True)
 
 
 if __name__ == "__main__":
