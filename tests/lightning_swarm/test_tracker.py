@@ -65,6 +65,33 @@ def test_reports_are_throttled_but_the_latest_progress_is_published(dht):
         tracker.shutdown(timeout=5)
 
 
+@pytest.mark.parametrize("fetch_period", [4.0, 0.2])
+def test_reports_are_spaced_by_half_the_fetch_interval(dht, fetch_period):
+    # far from the end of its epoch, a tracker fetches every max_refresh_period (default_refresh_period before
+    # it has a record): its reports follow half of that, never less than min_report_interval
+    tracker = ThrottledProgressTracker(dht=dht, prefix=f"spaced_{fetch_period}", target_batch_size=10**9,
+                                       min_report_interval=0.1, min_refresh_period=0.1,
+                                       default_refresh_period=fetch_period, max_refresh_period=fetch_period, start=True)
+    try:
+        assert tracker.fetched_global_progress_this_epoch.wait(timeout=10)
+        assert tracker.should_report_progress.interval == pytest.approx(max(0.1, fetch_period / 2), abs=0.05)
+        stores = _counting_stores(tracker)
+        start = time.monotonic()
+        samples = 0
+        while time.monotonic() - start < 1.5:  # a local step every 20 ms
+            samples += 8
+            tracker.report_local_progress(0, samples)
+            time.sleep(0.02)
+        published = len([v for v in stores if v is not None])
+        if fetch_period / 2 > 1.5:
+            assert published <= 1, f"{published} DHT stores in 1.5 s at a {fetch_period / 2} s interval"
+        else:
+            assert 5 <= published <= 16, f"{published} DHT stores in 1.5 s at a 0.1 s interval"
+        _wait_for(lambda: _published(tracker) == (0, samples), timeout=fetch_period / 2 + 3)  # the latest arrives
+    finally:
+        tracker.shutdown(timeout=5)
+
+
 @pytest.fixture
 def stale_tracker(dht):
     """A tracker (target 100) that published 60 samples and has 120, unpublished for the next 30 s."""
