@@ -116,7 +116,8 @@ class HivemindStrategy(SingleDeviceStrategy):
             (default: a tenth of matchmaking_time, at most 0.5 s; hivemind itself polls without pause).
         tracker_opts: extra keyword arguments for hivemind's ProgressTracker (e.g. ``{"max_refresh_period": 2}``),
             plus ``min_report_interval`` (default: ``min_refresh_period``, 0.5 s): this peer publishes its
-            progress to the DHT at most that often, not once per local step (see :mod:`lightning_swarm.tracker`).
+            progress to the DHT at most that often (and every half fetch interval, which is longer early in an
+            epoch), not once per local step (see :mod:`lightning_swarm.tracker`).
         publish_metrics: publish this peer's metrics to the DHT (for a monitoring peer), see
             :mod:`lightning_swarm.metrics`.
         metrics_interval: seconds between two metric publications.
