@@ -10,6 +10,9 @@
 
    Two figures per peer: over the whole timed window, and in the steady state (from BENCH_WARMUP seconds, 15 by
    default, to the end: without the join, where the second peer downloads the state, and the first epochs).
+   For the steady state it also prints where the CPU went (from /proc, far less noisy than samples/s): cores used
+   by the peer's training thread and by everything else it runs (DHT, averagers, p2p daemon, other threads), and
+   samples per CPU second of the training thread (lower when it shares caches and cores with busy neighbours).
 
 Run: python tests/benchmarks/bench_swarm.py [averaging|throughput|all]
      BENCH_AVERAGE_STATE_EVERY=4 python tests/benchmarks/bench_swarm.py throughput   (state averaging every 4 epochs)
@@ -150,9 +153,18 @@ def _run_peers(root: Path, specs: list, seconds: float, join: bool) -> list:
     for peer in peers:
         events = peer.events()
         end, warm = events[-1], next(event for event in events if event["kind"] == "warm")
-        steady = (end["samples"] - warm["samples"]) / (end["elapsed"] - warm["elapsed"])
-        results.append((end["samples"] / end["elapsed"], steady, end["epoch"]))
+        seconds = end["elapsed"] - warm["elapsed"]
+        steady = (end["samples"] - warm["samples"]) / seconds
+        cpu = dict(main=(end["cpu_main"] - warm["cpu_main"]) / seconds,  # cores used by the training thread
+                   background=(end["cpu_background"] - warm["cpu_background"]) / seconds,  # by all the rest
+                   per_main_second=(end["samples"] - warm["samples"]) / (end["cpu_main"] - warm["cpu_main"]))
+        results.append((end["samples"] / end["elapsed"], steady, end["epoch"], cpu))
     return results
+
+
+def _cpu_text(cpu: dict) -> str:
+    return (f"   [steady: training thread {cpu['main']:.2f} core, background {cpu['background']:.3f} core, "
+            f"{cpu['per_main_second']:.0f} samples per training-thread CPU second]")
 
 
 def _median(values: list) -> float:
@@ -178,25 +190,25 @@ def bench_throughput(seconds: float = SECONDS, repeats: int = REPEATS) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(repeats):
             root = Path(tmp) / f"repeat_{repeat}"
-            (alone, alone_steady, alone_epochs), = _run_peers(root / "alone", [("alone", "bench_alone", 0)], seconds,
-                                                               join=False)
-            print(f"[{repeat}] alone       : {alone:8.1f} | {alone_steady:8.1f} samples/s ({alone_epochs} global epochs)",
-                  flush=True)
+            (alone, alone_steady, alone_epochs, cpu), = _run_peers(root / "alone", [("alone", "bench_alone", 0)],
+                                                                    seconds, join=False)
+            print(f"[{repeat}] alone       : {alone:8.1f} | {alone_steady:8.1f} samples/s ({alone_epochs} global epochs)"
+                  + _cpu_text(cpu), flush=True)
             side_by_side = _run_peers(root / "alone_x2", [("solo_a", "bench_solo_a", 0),
                                                           ("solo_b", "bench_solo_b", 30_000)], seconds, join=False)
-            for name, (sps, steady, epochs) in zip(("solo_a", "solo_b"), side_by_side):
-                print(f"[{repeat}] alone x2    : {sps:8.1f} | {steady:8.1f} samples/s ({name}, {epochs} global epochs)",
-                      flush=True)
-            x2 = sum(sps for sps, _, _ in side_by_side) / 2
-            x2_steady = sum(steady for _, steady, _ in side_by_side) / 2
+            for name, (sps, steady, epochs, cpu) in zip(("solo_a", "solo_b"), side_by_side):
+                print(f"[{repeat}] alone x2    : {sps:8.1f} | {steady:8.1f} samples/s ({name}, {epochs} global epochs)"
+                      + _cpu_text(cpu), flush=True)
+            x2 = sum(result[0] for result in side_by_side) / 2
+            x2_steady = sum(result[1] for result in side_by_side) / 2
             swarm = _run_peers(root / "swarm", [("first", "bench_pair", 0), ("second", "bench_pair", 30_000)], seconds,
                                join=True)
-            for name, (sps, steady, epochs) in zip(("first", "second"), swarm):
+            for name, (sps, steady, epochs, cpu) in zip(("first", "second"), swarm):
                 ratios[name].append(steady / alone_steady)
                 ratios_x2[name].append(steady / x2_steady)
                 print(f"[{repeat}] 2-peer swarm: {sps:8.1f} | {steady:8.1f} samples/s ({name}, {epochs} global epochs) -> "
                       f"ratio to alone {sps / alone:.2f} | {steady / alone_steady:.2f}, to alone x2 {sps / x2:.2f} | "
-                      f"{steady / x2_steady:.2f}", flush=True)
+                      f"{steady / x2_steady:.2f}" + _cpu_text(cpu), flush=True)
     for name in ("first", "second"):
         print(f"steady-state ratio, {name} peer: to alone " + " ".join(f"{r:.2f}" for r in ratios[name])
               + f" (median {_median(ratios[name]):.2f}, min {min(ratios[name]):.2f}), to alone x2 "

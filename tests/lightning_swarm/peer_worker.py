@@ -20,6 +20,39 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
 
 
+def cpu_seconds() -> dict:
+    """CPU seconds used so far by this peer: its training thread ("main", the caller's thread) and everything else
+    it runs ("background": its other threads, and its child processes: DHT, averagers, p2p daemon), from /proc."""
+    ticks = os.sysconf("SC_CLK_TCK")
+
+    def stat_seconds(path: str) -> float:
+        fields = open(path).read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+
+    children: dict = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                children.setdefault(int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1]), []).append(
+                    int(entry))
+            except OSError:  # exited meanwhile
+                pass
+    descendants, stack = [], list(children.get(os.getpid(), []))
+    while stack:
+        pid = stack.pop()
+        descendants.append(pid)
+        stack += children.get(pid, [])
+    background = 0.0
+    for pid in descendants:
+        try:
+            background += stat_seconds(f"/proc/{pid}/stat")
+        except OSError:
+            pass
+    main = time.thread_time()
+    own = os.times()
+    return {"cpu_main": main, "cpu_background": background + own.user + own.system - main}
+
+
 def make_regression_data(num_samples: int, in_dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Deterministic synthetic regression data: y = x @ w + noise."""
     # separate generators, so that sample i is the same whatever num_samples is
@@ -160,7 +193,8 @@ class SwarmRecorder(pl.Callback):
         if self.warmup_seconds is not None and not self._warm and elapsed >= self.warmup_seconds:
             self._warm = True
             self._write_event(kind="warm", epoch=trainer.strategy.global_epoch, elapsed=elapsed,
-                              samples=trainer.strategy.stats.samples_contributed, time=time.time(), pid=os.getpid())
+                              samples=trainer.strategy.stats.samples_contributed, time=time.time(), pid=os.getpid(),
+                              **cpu_seconds())
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         from lightning_swarm.metrics import fetch_metrics
@@ -170,7 +204,7 @@ class SwarmRecorder(pl.Callback):
         self._write_event(kind="end", epoch=strategy.global_epoch, local_step=trainer.global_step,
                           metrics_steps=sorted(record.step for record in published.values()),
                           elapsed=time.perf_counter() - self._start, samples=strategy.stats.samples_contributed,
-                          time=time.time(), pid=os.getpid())
+                          time=time.time(), pid=os.getpid(), **cpu_seconds())
 
 
 if __name__ == "__main__":
