@@ -8,7 +8,7 @@
    (delay_optimizer_step + delay_grad_averaging + delay_state_averaging). "Alone" is measured twice: one peer
    on the machine, and two unrelated one-peer runs side by side (the same machine load as the 2-peer swarm).
 
-   Two figures per peer: over the whole timed window, and in the steady state (from BENCH_WARMUP seconds, 15 by
+   Two figures per peer: over the whole timed window, and in the steady state (from BENCH_WARMUP seconds, 30 by
    default, to the end: without the join, where the second peer downloads the state, and the first epochs).
    For the steady state it also prints where the CPU went (from /proc, far less noisy than samples/s): cores used
    by the peer's training thread and by everything else it runs (DHT, averagers, p2p daemon, other threads), and
@@ -16,13 +16,14 @@
 
 Run: python tests/benchmarks/bench_swarm.py [averaging|throughput|all]
      BENCH_AVERAGE_STATE_EVERY=4 python tests/benchmarks/bench_swarm.py throughput   (state averaging every 4 epochs)
-     BENCH_TARGET=65536 python tests/benchmarks/bench_swarm.py throughput             (4x longer global epochs)
-     BENCH_TARGET=131072 BENCH_SECONDS=150 BENCH_WARMUP=30 python tests/benchmarks/bench_swarm.py throughput  (~25 s epochs)
+     BENCH_TARGET=16384 BENCH_SECONDS=60 BENCH_WARMUP=15 python tests/benchmarks/bench_swarm.py throughput  (~4 s epochs)
      BENCH_MATCHMAKING_TIME=1.0 python tests/benchmarks/bench_swarm.py throughput     (matchmaking_time, default 2 s)
      BENCH_REPEATS=3 python tests/benchmarks/bench_swarm.py throughput   (3 interleaved repeats, median ratios)
      BENCH_PIN=1 python tests/benchmarks/bench_swarm.py throughput   (each peer with all its processes on its own core,
                                                                      like one peer per 1-core machine; alone too)
-The machine is shared (2 cores): run it when nothing else runs, the ratio moves a lot with background load.
+The machine is shared (2 cores): run it when nothing else runs, the ratio moves a lot with background load. The host
+moves it too: the same one-peer run gives samples/s 10% apart minutes apart (the training thread's samples per CPU
+second change, not its share of a core), so compare medians over BENCH_REPEATS.
 """
 
 from __future__ import annotations
@@ -109,11 +110,12 @@ def bench_averaging(rounds: int = 3) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- throughput
-# samples per global epoch: 16384 is about 4 s of the 2-peer swarm's work between averaging rounds (hivemind suggests
-# matchmaking_time 3-5 s for local runs, 10-15 s over the Internet, so real epochs last longer)
-TARGET = int(os.environ.get("BENCH_TARGET", "16384"))
-SECONDS = float(os.environ.get("BENCH_SECONDS", "60"))  # timed training per run
-WARMUP = float(os.environ.get("BENCH_WARMUP", "15"))  # the steady state starts this many seconds into the window
+# samples per global epoch: 131072 is about 25 s of the 2-peer swarm's work between averaging rounds. hivemind suggests
+# matchmaking_time 3-5 s for local runs, 10-15 s over the Internet, and epochs several times longer than that; with
+# 16384 (4 s epochs) each epoch's fixed costs show much more
+TARGET = int(os.environ.get("BENCH_TARGET", "131072"))
+SECONDS = float(os.environ.get("BENCH_SECONDS", "120"))  # timed training per run
+WARMUP = float(os.environ.get("BENCH_WARMUP", "30"))  # the steady state starts this many seconds into the window
 PIN = os.environ.get("BENCH_PIN", "0") == "1"  # peer i and all its processes on core i % 2 (taskset)
 MATCHMAKING_TIME = float(os.environ.get("BENCH_MATCHMAKING_TIME", "2.0"))
 AVERAGE_STATE_EVERY = int(os.environ.get("BENCH_AVERAGE_STATE_EVERY", "1"))
