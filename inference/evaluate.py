@@ -175,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=1.0, help="logit temperature")
     parser.add_argument("--top-k", type=int, default=0, help="top-k filter (0 = off)")
     parser.add_argument("--top-p", type=float, default=None, help="top-p filter")
-    parser.add_argument("--guidance-scale", type=float, default=1.0, help="classifier-free guidance scale")
+    parser.add_argument("--guidance-scale", type=float, default=1.0,
+                        help="classifier-free guidance scale (1 = off); needs a DALL-E trained with text_dropout > 0")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--data-seed", type=int, default=0, help="seed the shapes data was generated with")
     parser.add_argument("--json", default=None, help="also write the report (and the settings) to this JSON file")

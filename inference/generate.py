@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=256, help="sample among the k most likely codes (0 = all)")
     parser.add_argument("--top-p", type=float, default=None, help="then among the nucleus of this mass, e.g. 0.75")
     parser.add_argument("--guidance-scale", type=float, default=1.0,
-                        help="classifier-free guidance scale (1 = off; unconditional pass on all-pad text)")
+                        help="classifier-free guidance scale (1 = off; unconditional pass on all-pad text); "
+                             "needs a DALL-E trained with model.text_dropout > 0")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--batch-size", type=int, default=16, help="candidates sampled together")
     parser.add_argument("--clip-model", default=DEFAULT_CLIP,
