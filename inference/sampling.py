@@ -8,8 +8,9 @@ Both draw from the same logits with the same generator calls, so the same seed g
 
 Classifier-free guidance: with `guidance_scale` s != 1 the batch is doubled with all-pad captions (the
 unconditional pass, `recipes.dalle.module.unconditional_text`, the captions `text_dropout` trains on) and the
-logits become `uncond + s * (cond - uncond)`. The caption tensor passed in is never modified (DALLE-pytorch's `generate_images` zeroed the caller's prompt in place to build its
-unconditional batch, so a second call sampled unconditionally).
+logits become `uncond + s * (cond - uncond)`. The caption tensor passed in is never modified (DALLE-pytorch's
+`generate_images` zeroed the caller's prompt in place to build its unconditional batch, so a second call sampled
+unconditionally).
 """
 
 from __future__ import annotations
