@@ -109,7 +109,8 @@ class ThrottledProgressTracker(ProgressTracker):
             metadata = dict(metadata)
             metadata[self._local_public_key] = ValueWithExpiration(self.local_progress.dict(), own.expiration_time)
         progress = super()._parse_swarm_progress_data(metadata)
-        if isinstance(getattr(self, "should_report_progress", None), _ThrottledEvent):  # None in super().__init__
+        # hivemind's __init__ parses a first fetch before it creates should_report_progress (replaced by ours after)
+        if isinstance(getattr(self, "should_report_progress", None), _ThrottledEvent):
             self.should_report_progress.interval = self._report_interval(progress)
         return progress
 

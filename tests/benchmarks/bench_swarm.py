@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[2]
 ANCHOR = Path("/work/shared/peers/hivemind_averaging_anchor.py")
@@ -124,10 +126,17 @@ MODEL = {"in_dim": 1024, "hidden": 4096, "lr": 0.01, "lr_decay": 1.0}  # peer_wo
 DATA = {"batch_size": 64, "in_dim": 1024, "num_samples": 30_000}
 
 
-def _run_peers(root: Path, specs: list, seconds: float, join: bool) -> list:
-    """Start peers (name, run_id, data offset), the later ones joining the first if `join`; return their
-    (samples/s over the timed window, samples/s in the steady state, global epochs). All peers start timing together,
-    at a barrier."""
+class PeerResult(NamedTuple):
+    sps: float  # samples/s over the timed window
+    steady: float  # samples/s in the steady state
+    epochs: int  # global epochs reached
+    cpu: dict  # steady state: cores of the training thread ("main") and of the rest ("background"), samples per
+    # training-thread CPU second ("per_main_second")
+
+
+def _run_peers(root: Path, specs: list, seconds: float, join: bool) -> list[PeerResult]:
+    """Start peers (name, run_id, data offset), the later ones joining the first if `join`; return their results.
+    All peers start timing together, at a barrier."""
     from swarm_harness import Peer
 
     overlap = dict(delay_optimizer_step=True, delay_grad_averaging=True, delay_state_averaging=True,
@@ -160,19 +169,13 @@ def _run_peers(root: Path, specs: list, seconds: float, join: bool) -> list:
         cpu = dict(main=(end["cpu_main"] - warm["cpu_main"]) / seconds,  # cores used by the training thread
                    background=(end["cpu_background"] - warm["cpu_background"]) / seconds,  # by all the rest
                    per_main_second=(end["samples"] - warm["samples"]) / (end["cpu_main"] - warm["cpu_main"]))
-        results.append((end["samples"] / end["elapsed"], steady, end["epoch"], cpu))
+        results.append(PeerResult(end["samples"] / end["elapsed"], steady, end["epoch"], cpu))
     return results
 
 
 def _cpu_text(cpu: dict) -> str:
     return (f"   [steady: training thread {cpu['main']:.2f} core, background {cpu['background']:.3f} core, "
             f"{cpu['per_main_second']:.0f} samples per training-thread CPU second]")
-
-
-def _median(values: list) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def bench_throughput(seconds: float = SECONDS, repeats: int = REPEATS) -> None:
@@ -201,8 +204,8 @@ def bench_throughput(seconds: float = SECONDS, repeats: int = REPEATS) -> None:
             for name, (sps, steady, epochs, cpu) in zip(("solo_a", "solo_b"), side_by_side):
                 print(f"[{repeat}] alone x2    : {sps:8.1f} | {steady:8.1f} samples/s ({name}, {epochs} global epochs)"
                       + _cpu_text(cpu), flush=True)
-            x2 = sum(result[0] for result in side_by_side) / 2
-            x2_steady = sum(result[1] for result in side_by_side) / 2
+            x2 = sum(result.sps for result in side_by_side) / 2
+            x2_steady = sum(result.steady for result in side_by_side) / 2
             swarm = _run_peers(root / "swarm", [("first", "bench_pair", 0), ("second", "bench_pair", 30_000)], seconds,
                                join=True)
             for name, (sps, steady, epochs, cpu) in zip(("first", "second"), swarm):
@@ -213,8 +216,8 @@ def bench_throughput(seconds: float = SECONDS, repeats: int = REPEATS) -> None:
                       f"{steady / x2_steady:.2f}" + _cpu_text(cpu), flush=True)
     for name in ("first", "second"):
         print(f"steady-state ratio, {name} peer: to alone " + " ".join(f"{r:.2f}" for r in ratios[name])
-              + f" (median {_median(ratios[name]):.2f}, min {min(ratios[name]):.2f}), to alone x2 "
-              + " ".join(f"{r:.2f}" for r in ratios_x2[name]) + f" (median {_median(ratios_x2[name]):.2f})", flush=True)
+              + f" (median {statistics.median(ratios[name]):.2f}, min {min(ratios[name]):.2f}), to alone x2 "
+              + " ".join(f"{r:.2f}" for r in ratios_x2[name]) + f" (median {statistics.median(ratios_x2[name]):.2f})", flush=True)
 
 
 if __name__ == "__main__":
