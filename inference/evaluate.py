@@ -169,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint", required=True, help="DALL-E Lightning checkpoint (.ckpt) trained on shapes")
     parser.add_argument("--clip-model", default=DEFAULT_CLIP, help="local CLIP directory or open_clip name")
     parser.add_argument("--clip-pretrained", default=None, help="pretrained tag or weights file (open_clip names)")
-    parser.add_argument("--num-captions", type=int, default=32, help="distinct validation captions")
+    parser.add_argument("--num-captions", type=int, default=128,
+                        help="distinct validation captions (the gain's standard error is ~5 points at 32, ~3 at 128)")
     parser.add_argument("--num-candidates", type=int, default=16, help="images sampled per caption")
     parser.add_argument("--batch-size", type=int, default=32, help="images sampled together")
     parser.add_argument("--temperature", type=float, default=1.0, help="logit temperature")

@@ -111,8 +111,9 @@ def draw(labels: dict) -> np.ndarray:
 def perturb(labels: dict, rng: np.random.Generator) -> np.ndarray:
     """A sloppy drawing of `labels`, like the samples of a half-trained text-to-image model: one or two of
     its objects drawn at another width/height, as a filled box or with a ragged outline (some empty cells of
-    its box filled, some of its cells cleared), part of one painted another colour, one moved or dropped, a
-    stray blob added. `check_caption` decides whether it still shows the caption.
+    its box filled, some of its cells cleared), broken into pieces (cut by an empty row or column, or kept only
+    in scattered 2x2 blocks: how the tiny DALL-E's failed shapes look), part of one painted another colour, one
+    moved or dropped, a stray blob added. `check_caption` decides whether it still shows the caption.
 
     Args:
         labels: the labels dict of `generate_example` (objects with boxes).
@@ -123,11 +124,11 @@ def perturb(labels: dict, rng: np.random.Generator) -> np.ndarray:
     for index, obj in enumerate(objects):
         top, left, side = obj["box"]
         boxes[index] = (top, left, side, side)
-    patches, dropped, ragged = [], set(), {}
+    patches, dropped, ragged, broken = [], set(), {}, {}
     for _ in range(rng.integers(1, 3)):
         index = int(rng.integers(len(objects)))
         top, left, height, width = boxes[index]
-        change = rng.choice(["reshape", "box", "ragged", "ragged", "recolour", "move", "drop", "stray"])
+        change = rng.choice(["reshape", "box", "ragged", "ragged", "recolour", "move", "drop", "stray", "cut", "blocks"])
         if change in ("reshape", "box"):
             height, width = (int(np.clip(d + rng.integers(-3, 3), 2, GRID_SIZE)) for d in (height, width))
             top, left = (int(np.clip(p, 0, GRID_SIZE - d)) for p, d in ((top, height), (left, width)))
@@ -139,6 +140,11 @@ def perturb(labels: dict, rng: np.random.Generator) -> np.ndarray:
             top, left = (int(np.clip(p + rng.integers(-4, 5), 0, GRID_SIZE - d)) for p, d in ((top, height), (left, width)))
         elif change == "drop":
             dropped.add(index)
+        elif change == "cut":  # an empty row or column through the middle part of the box
+            axis = int(rng.integers(2))
+            broken[index] = ("cut", axis, float(rng.uniform(0.25, 0.75)))
+        elif change == "blocks":  # only the 2x2 blocks of one checkerboard colour: scattered specks
+            broken[index] = ("blocks", int(rng.integers(2)), 0.0)
         elif change == "recolour":  # part of the object in another colour
             row, col = top + rng.integers(height), left + rng.integers(width)
             patches.append((row, col, int(rng.integers(1, 4)), int(rng.integers(1, 4)), str(rng.choice(COLOURS))))
@@ -155,10 +161,27 @@ def perturb(labels: dict, rng: np.random.Generator) -> np.ndarray:
                 fill, clear = ragged[index]
                 noise = rng.random(mask.shape)
                 mask = np.where(mask, noise >= clear, noise < fill)
+            if index in broken:
+                mask = _break(mask, *broken[index])
             grid[top : top + height, left : left + width][mask] = COLOUR_CODES[obj["colour"]]
     for row, col, height, width, colour in patches:
         grid[row : row + height, col : col + width] = COLOUR_CODES[colour]
     return grid
+
+
+def _break(mask: np.ndarray, how: str, axis_or_parity: int, where: float) -> np.ndarray:
+    """`mask` with cells cleared: ("cut", axis, where) clears the row (axis 0) or column (axis 1) at fraction
+    `where` of the box; ("blocks", parity, _) keeps the cells whose 2x2 block (row // 2 + col // 2) has that parity."""
+    mask = mask.copy()
+    if how == "cut":
+        line = int(where * mask.shape[axis_or_parity])
+        if axis_or_parity == 0:
+            mask[line] = False
+        else:
+            mask[:, line] = False
+        return mask
+    rows, cols = np.indices(mask.shape)
+    return mask & ((rows // 2 + cols // 2) % 2 == axis_or_parity)
 
 
 class ShapesCLIPDataset(Dataset):
