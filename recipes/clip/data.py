@@ -162,14 +162,14 @@ def perturb(labels: dict, rng: np.random.Generator) -> np.ndarray:
                 noise = rng.random(mask.shape)
                 mask = np.where(mask, noise >= clear, noise < fill)
             if index in broken:
-                mask = _break(mask, *broken[index])
+                mask = break_apart(mask, *broken[index])
             grid[top : top + height, left : left + width][mask] = COLOUR_CODES[obj["colour"]]
     for row, col, height, width, colour in patches:
         grid[row : row + height, col : col + width] = COLOUR_CODES[colour]
     return grid
 
 
-def _break(mask: np.ndarray, how: str, axis_or_parity: int, where: float) -> np.ndarray:
+def break_apart(mask: np.ndarray, how: str, axis_or_parity: int, where: float) -> np.ndarray:
     """`mask` with cells cleared: ("cut", axis, where) clears the row (axis 0) or column (axis 1) at fraction
     `where` of the box; ("blocks", parity, _) keeps the cells whose 2x2 block (row // 2 + col // 2) has that parity."""
     mask = mask.copy()
