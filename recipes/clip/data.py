@@ -15,6 +15,8 @@ has to judge.
 
 from __future__ import annotations
 
+import functools
+
 import lightning as L
 import numpy as np
 import open_clip
@@ -142,9 +144,9 @@ def perturb(labels: dict, rng: np.random.Generator) -> np.ndarray:
             dropped.add(index)
         elif change == "cut":  # an empty row or column through the middle part of the box
             axis = int(rng.integers(2))
-            broken[index] = ("cut", axis, float(rng.uniform(0.25, 0.75)))
+            broken[index] = functools.partial(cut_line, axis=axis, where=float(rng.uniform(0.25, 0.75)))
         elif change == "blocks":  # only the 2x2 blocks of one checkerboard colour: scattered specks
-            broken[index] = ("blocks", int(rng.integers(2)), 0.0)
+            broken[index] = functools.partial(keep_blocks, parity=int(rng.integers(2)))
         elif change == "recolour":  # part of the object in another colour
             row, col = top + rng.integers(height), left + rng.integers(width)
             patches.append((row, col, int(rng.integers(1, 4)), int(rng.integers(1, 4)), str(rng.choice(COLOURS))))
@@ -162,26 +164,26 @@ def perturb(labels: dict, rng: np.random.Generator) -> np.ndarray:
                 noise = rng.random(mask.shape)
                 mask = np.where(mask, noise >= clear, noise < fill)
             if index in broken:
-                mask = break_apart(mask, *broken[index])
+                mask = broken[index](mask)
             grid[top : top + height, left : left + width][mask] = COLOUR_CODES[obj["colour"]]
     for row, col, height, width, colour in patches:
         grid[row : row + height, col : col + width] = COLOUR_CODES[colour]
     return grid
 
 
-def break_apart(mask: np.ndarray, how: str, axis_or_parity: int, where: float) -> np.ndarray:
-    """`mask` with cells cleared: ("cut", axis, where) clears the row (axis 0) or column (axis 1) at fraction
-    `where` of the box; ("blocks", parity, _) keeps the cells whose 2x2 block (row // 2 + col // 2) has that parity."""
+def cut_line(mask: np.ndarray, axis: int, where: float) -> np.ndarray:
+    """A copy of `mask` with its row (axis 0) or column (axis 1) at fraction `where` of its size cleared."""
     mask = mask.copy()
-    if how == "cut":
-        line = int(where * mask.shape[axis_or_parity])
-        if axis_or_parity == 0:
-            mask[line] = False
-        else:
-            mask[:, line] = False
-        return mask
+    line = [slice(None), slice(None)]
+    line[axis] = int(where * mask.shape[axis])
+    mask[tuple(line)] = False
+    return mask
+
+
+def keep_blocks(mask: np.ndarray, parity: int) -> np.ndarray:
+    """`mask` kept only in the 2x2 blocks of one checkerboard colour: (row // 2 + col // 2) % 2 == parity."""
     rows, cols = np.indices(mask.shape)
-    return mask & ((rows // 2 + cols // 2) % 2 == axis_or_parity)
+    return mask & ((rows // 2 + cols // 2) % 2 == parity)
 
 
 class ShapesCLIPDataset(Dataset):

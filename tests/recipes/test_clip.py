@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from recipes.clip.__main__ import main
-from recipes.clip.data import (NEGATIVE_KINDS, OPPOSITE, ShapesCLIPDataModule, ShapesCLIPDataset, break_apart, caption_of,
-                               draw, hard_negative, hard_negative_caption, negative_kinds)
+from recipes.clip.data import (NEGATIVE_KINDS, OPPOSITE, ShapesCLIPDataModule, ShapesCLIPDataset, caption_of, cut_line, draw,
+                               hard_negative, hard_negative_caption, keep_blocks, negative_kinds)
 from recipes.clip.module import CLIPModule, contrastive_loss, same_caption_mask
 from recipes.shapes import SHAPES, check_caption, find_blobs, generate_example, parse_caption, shape_mask
 
@@ -89,17 +89,17 @@ def test_broken_shapes_fall_apart_into_pieces_the_checker_rejects():
     for shape in SHAPES:
         whole = shape_mask(shape, 6)
         for axis in (0, 1):
-            cut = break_apart(whole, "cut", axis, 0.5)
+            cut = cut_line(whole, axis, 0.5)
             assert (cut <= whole).all() and cut.sum() < whole.sum()
             assert not cut.take(3, axis=axis).any()  # the middle row/column is empty
         for parity in (0, 1):
-            blocks = break_apart(whole, "blocks", parity, 0.0)
+            blocks = keep_blocks(whole, parity)
             assert (blocks <= whole).all()
             rows, cols = np.nonzero(blocks)
             assert (((rows // 2 + cols // 2) % 2) == parity).all()  # only 2x2 blocks of one checkerboard colour
     # a big square cut through the middle is two blobs: not "a big red square" any more
     grid = np.zeros((16, 16), dtype=np.int16)
-    grid[2:14, 2:14][break_apart(shape_mask("square", 12), "cut", 1, 0.5)] = 1
+    grid[2:14, 2:14][cut_line(shape_mask("square", 12), 1, 0.5)] = 1
     assert len(find_blobs(grid)) == 2 and not check_caption("a big red square", grid)
 
 
