@@ -57,6 +57,20 @@ def negative_kinds(labels: dict) -> list[str]:
     return [kind for kind in PAIR_NEGATIVES if not (kind == "swap_shapes" and same_shape)]
 
 
+NUM_LAYOUTS = 2 * len(COLOURS)
+
+
+def layout_class(labels: dict) -> int:
+    """The layout of a two-shape picture as one of `NUM_LAYOUTS` classes: side by side or stacked, and the colour
+    of the left/top object; -1 for single shapes. The picture and its caption both tell it."""
+    if labels["kind"] != "pair":
+        return -1
+    stacked = labels["relation"] in ("above", "below")
+    first_leads = labels["relation"] in ("to the left of", "above")  # the first-named object is left/top
+    leading = labels["objects"][0 if first_leads else 1]["colour"]
+    return int(stacked) * len(COLOURS) + COLOURS.index(leading)
+
+
 def hard_negative(labels: dict, kind: str, rng: np.random.Generator) -> dict:
     """Labels (boxes included) of the picture a `kind` hard negative describes; `labels` is not modified.
 
@@ -189,6 +203,7 @@ def keep_blocks(mask: np.ndarray, parity: int) -> np.ndarray:
 class ShapesCLIPDataset(Dataset):
     """Map-style dataset of CLIP training examples of one shapes split:
     {"codes" [16,16], "text" [context], "negative_text" [num_negatives, context], "negative_kind" [num_negatives],
+    "layout" [] (`layout_class`),
     "negative_codes" [16,16] (the picture of the first negative caption), "perturbed_codes" [num_perturbed, 16, 16]
     (sloppy drawings of the caption that `check_caption` rejects)}.
 
@@ -241,6 +256,7 @@ class ShapesCLIPDataset(Dataset):
             "text": tokens[0],
             "negative_text": tokens[1:],
             "negative_kind": torch.tensor([NEGATIVE_KINDS.index(k) for k in kinds]),
+            "layout": torch.tensor(layout_class(labels)),
             "negative_codes": torch.from_numpy(draw(negatives[0]).astype(np.int64)),
             "perturbed_codes": torch.from_numpy(np.array(perturbed, dtype=np.int64)).view(-1, GRID_SIZE, GRID_SIZE),
         }
@@ -277,7 +293,7 @@ class RenderCollate:
 
 class ShapesCLIPDataModule(L.LightningDataModule):
     """The embedded shapes data as CLIP batches
-    {"image", "text", "negative_text", "negative_kind", "negative_image", "perturbed_image"}.
+    {"image", "text", "negative_text", "negative_kind", "layout", "negative_image", "perturbed_image"}.
 
     Args:
         num_train: training examples per epoch (train split indices 0 .. num_train-1).

@@ -4,12 +4,14 @@ import numpy as np
 import open_clip
 import pytest
 import torch
+from safetensors import safe_open
 
 from recipes.clip.__main__ import main
-from recipes.clip.data import (NEGATIVE_KINDS, OPPOSITE, ShapesCLIPDataModule, ShapesCLIPDataset, caption_of, cut_line, draw,
-                               hard_negative, hard_negative_caption, keep_blocks, negative_kinds)
+from recipes.clip.data import (NEGATIVE_KINDS, NUM_LAYOUTS, OPPOSITE, ShapesCLIPDataModule, ShapesCLIPDataset, caption_of,
+                               cut_line, draw, hard_negative, hard_negative_caption, keep_blocks, layout_class,
+                               negative_kinds)
 from recipes.clip.module import CLIPModule, contrastive_loss, same_caption_mask
-from recipes.shapes import SHAPES, check_caption, find_blobs, generate_example, parse_caption, shape_mask
+from recipes.shapes import COLOURS, SHAPES, check_caption, find_blobs, generate_example, parse_caption, shape_mask
 
 TINY = {
     "embed_dim": 16,
@@ -124,6 +126,60 @@ def test_loss_leaves_out_duplicate_captions_and_counts_extra_pictures():
     assert masked < contrastive_loss(images, texts, scale)
     extra = torch.nn.functional.normalize(torch.randn(3, 16), dim=-1)
     assert contrastive_loss(images, texts, scale, same, extra) > masked
+
+
+def test_layout_class_names_how_the_picture_is_arranged_and_the_left_or_top_colour():
+    seen = set()
+    for index in range(200):
+        caption, codes, labels = generate_example(index, "val")
+        layout = layout_class(labels)
+        if labels["kind"] == "single":
+            assert layout == -1
+            continue
+        assert 0 <= layout < NUM_LAYOUTS
+        seen.add(layout)
+        stacked, colour = divmod(layout, len(COLOURS))
+        # read the arrangement off the picture itself: the blob whose centre comes first along the longer offset
+        blobs = find_blobs(codes)
+        offset = blobs[1]["centre"] - blobs[0]["centre"]
+        axis = 0 if abs(offset[0]) > abs(offset[1]) else 1
+        leading = min(blobs, key=lambda blob: blob["centre"][axis])
+        assert bool(stacked) == (axis == 0), caption
+        assert COLOURS[colour] == leading["colour"], caption
+        assert layout_class(hard_negative(labels, "relation", np.random.default_rng(0))) != layout
+        assert layout_class(hard_negative(labels, "swap_objects", np.random.default_rng(0))) != layout
+    assert len(seen) > 10
+
+
+def test_layout_head_learns_from_both_towers_and_stays_out_of_the_export(tmp_path):
+    torch.manual_seed(0)
+    module = CLIPModule(model_cfg=TINY, lr=3e-3, warmup_steps=1, total_steps=30, layout_weight=1.0)
+    batch = next(iter(ShapesCLIPDataModule(num_train=64, batch_size=64, image_size=32, num_negatives=2).train_dataloader()))
+    pairs = batch["layout"] >= 0
+    assert pairs.any() and not pairs.all()
+
+    def layout_hits():
+        with torch.no_grad():
+            images, texts = module(batch["image"], batch["text"])
+            return [(module.layout_head(f).argmax(-1) == batch["layout"])[pairs].float().mean() for f in (images, texts)]
+
+    optimizer = module.configure_optimizers()["optimizer"]
+    assert any(p is module.layout_head.weight for group in optimizer.param_groups for p in group["params"])
+    before = layout_hits()
+    for _ in range(30):
+        loss = module._step(batch)[0]
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    after = layout_hits()
+    assert after[0] > before[0] + 0.2 and after[1] > before[1] + 0.2, (before, after)
+    module.export(tmp_path)
+    with safe_open(str(tmp_path / "open_clip_model.safetensors"), framework="pt") as exported:
+        assert not any("layout" in key for key in exported.keys())
+    with torch.no_grad():
+        weighted = module._step(batch)[0]
+        module.hparams.layout_weight = 0.0  # the same weights without the term
+        assert module._step(batch)[0] < weighted
 
 
 def test_batches_render_palette_images_at_the_model_size():
