@@ -137,11 +137,20 @@ class CLIPReranker:
         if len(captions) != images.shape[0]:
             raise ValueError(f"got {images.shape[0]} images but {len(captions)} captions")
         distinct = list(dict.fromkeys(captions))
-        text_features = F.normalize(self.model.encode_text(self.tokenizer(distinct).to(self.device)).float(), dim=-1)
+        text_features = self.embed_texts(distinct)
         rows = torch.tensor([distinct.index(c) for c in captions], device=self.device)
         scores = []
         for start in range(0, images.shape[0], batch_size):
-            chunk = self.preprocess(images[start : start + batch_size].to(self.device))
-            image_features = F.normalize(self.model.encode_image(chunk).float(), dim=-1)
+            image_features = self.embed_images(images[start : start + batch_size])
             scores.append(100.0 * (image_features * text_features[rows[start : start + batch_size]]).sum(-1))
         return torch.cat(scores).cpu()
+
+    @torch.no_grad()
+    def embed_texts(self, captions: list[str]) -> torch.Tensor:
+        """L2-normalised float32 caption features [len(captions), D] on the model's device."""
+        return F.normalize(self.model.encode_text(self.tokenizer(captions).to(self.device)).float(), dim=-1)
+
+    @torch.no_grad()
+    def embed_images(self, images: torch.Tensor) -> torch.Tensor:
+        """L2-normalised float32 features [B, D] of images [B, 3, H, W] in [0, 1] (preprocessed here)."""
+        return F.normalize(self.model.encode_image(self.preprocess(images.to(self.device))).float(), dim=-1)

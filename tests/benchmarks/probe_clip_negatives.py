@@ -26,16 +26,7 @@ from safetensors import safe_open
 
 from inference.rerank import CLIPReranker
 from recipes.clip.data import NEGATIVE_KINDS, caption_of, draw, hard_negative, negative_kinds
-from recipes.shapes import COLOUR_CODES, PaletteCodec, check_caption, find_blobs, generate_example, parse_caption
-
-
-@torch.no_grad()
-def embed(reranker: CLIPReranker, captions: list[str], pictures: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """L2-normalised (caption features, picture features) of the reranker's CLIP."""
-    model = reranker.model
-    texts = model.encode_text(reranker.tokenizer(captions).to(reranker.device)).float()
-    images = model.encode_image(reranker.preprocess(pictures.to(reranker.device))).float()
-    return torch.nn.functional.normalize(texts, dim=-1).cpu(), torch.nn.functional.normalize(images, dim=-1).cpu()
+from recipes.shapes import COLOUR_CODES, GRID_SIZE, PaletteCodec, check_caption, find_blobs, generate_example, parse_caption
 
 
 def clean_picture_figures(reranker: CLIPReranker, codec: PaletteCodec, num_examples: int) -> None:
@@ -48,7 +39,7 @@ def clean_picture_figures(reranker: CLIPReranker, codec: PaletteCodec, num_examp
         negatives = [hard_negative(labels, kind, rng) for kind in kinds]
         captions = [caption] + [caption_of(n) for n in negatives]
         pictures = codec.decode(torch.from_numpy(np.stack([codes] + [draw(n) for n in negatives]).astype(np.int64)))
-        texts, images = embed(reranker, captions, pictures)
+        texts, images = reranker.embed_texts(captions).cpu(), reranker.embed_images(pictures).cpu()
         scores = images @ texts.T  # [pictures, captions]: row 0 is the example's picture, column 0 its caption
         for column, kind in enumerate(kinds, start=1):
             text_hits[kind].append(bool(scores[0, 0] > scores[0, column]))
@@ -75,7 +66,7 @@ def binding_on_samples(reranker: CLIPReranker, codec: PaletteCodec, path: str) -
         if wanted["kind"] != "pair":
             continue
         first, second = (COLOUR_CODES[o["colour"]] for o in wanted["objects"])
-        for grid in caption_codes.view(-1, 16, 16):
+        for grid in caption_codes.view(-1, GRID_SIZE, GRID_SIZE):
             if {b["colour"] for b in find_blobs(grid)} != {o["colour"] for o in wanted["objects"]}:
                 continue
             other = grid.clone()
