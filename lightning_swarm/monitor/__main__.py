@@ -104,7 +104,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     initial_peers = without_own_address(initial_peers, args.identity_path)
 
     # heavy imports after the arguments are known to be fine
-    from lightning_swarm.callbacks.checkpoint import CheckpointSaver
+    from lightning_swarm.checkpoint.saver import CheckpointSaver
     from lightning_swarm.monitor.peer import MonitorPeer
     from lightning_swarm.monitor.runner import Monitor, build_loggers
 

@@ -26,7 +26,7 @@ from hivemind.utils import get_dht_time
 from lightning.pytorch.core.optimizer import _configure_optimizers, _configure_schedulers_automatic_opt
 
 from lightning_swarm import metrics as swarm_metrics
-from lightning_swarm.callbacks.checkpoint_io import read_checkpoint
+from lightning_swarm.checkpoint.checkpoint_io import read_checkpoint
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from typing import List, Optional
 
 from lightning.pytorch.loggers import CSVLogger, Logger
 
-from lightning_swarm.callbacks.checkpoint import CheckpointSaver
+from lightning_swarm.checkpoint.saver import CheckpointSaver
 from lightning_swarm.monitor.aggregate import ContributionTable, SwarmSnapshot, aggregate
 from lightning_swarm.monitor.peer import MonitorPeer
 

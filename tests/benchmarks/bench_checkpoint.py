@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from lightning_swarm.callbacks.checkpoint_io import read_checkpoint, save_checkpoint
-from lightning_swarm.callbacks.upload import upload_to_fsspec
+from lightning_swarm.checkpoint.checkpoint_io import read_checkpoint, save_checkpoint
+from lightning_swarm.checkpoint.upload import upload_to_fsspec
 from lightning_swarm.monitor.config import load_monitor_config
 from lightning_swarm.monitor.peer import configure_optimizer
 

@@ -19,7 +19,7 @@ from safetensors.torch import save_model
 
 from ckpt_tiny_module import RandomRegressionData, TinyRegressor
 from lightning_swarm import metrics as swarm_metrics
-from lightning_swarm.callbacks.checkpoint import SwarmCheckpoint
+from lightning_swarm.checkpoint.callback import SwarmCheckpoint
 from lightning_swarm.strategy import HivemindStrategy
 
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from ckpt_tiny_module import RandomRegressionData, TinyRegressor
-from lightning_swarm.callbacks.checkpoint import SwarmCheckpoint
-from lightning_swarm.callbacks.checkpoint_io import (
+from lightning_swarm.checkpoint.callback import SwarmCheckpoint
+from lightning_swarm.checkpoint.checkpoint_io import (
     flatten_state,
     list_checkpoints,
     load_checkpoint,
@@ -23,7 +23,7 @@ from lightning_swarm.callbacks.checkpoint_io import (
     save_checkpoint,
     unflatten_state,
 )
-from lightning_swarm.callbacks.upload import CheckpointUploader
+from lightning_swarm.checkpoint.upload import CheckpointUploader
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -135,7 +135,7 @@ def test_memory_target_and_resume(tmp_path):
 
 
 def test_time_based_saving(tmp_path, monkeypatch):
-    import lightning_swarm.callbacks.checkpoint as checkpoint_module
+    import lightning_swarm.checkpoint.callback as checkpoint_module
 
     clock = {"steps": 0}  # a fake clock: every training step takes exactly 0.1 s
 
@@ -210,7 +210,7 @@ def plain_model():
 
 KILL_MIDWAY_SCRIPT = r"""
 import sys, time, torch
-from lightning_swarm.callbacks import checkpoint_io
+from lightning_swarm.checkpoint import checkpoint_io
 
 root = sys.argv[1]
 torch.manual_seed(0)

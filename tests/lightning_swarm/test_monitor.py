@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from ckpt_tiny_module import TinyRegressor
-from lightning_swarm.callbacks.checkpoint_io import read_checkpoint
+from lightning_swarm.checkpoint.checkpoint_io import read_checkpoint
 from lightning_swarm.metrics import LocalMetrics
 from lightning_swarm.monitor.aggregate import ContributionTable, aggregate, peer_name
 from lightning_swarm.monitor.config import build_module, load_monitor_config, strategy_settings

@@ -26,7 +26,7 @@ from typing import Callable, List, Optional, Set
 
 import fsspec
 
-from lightning_swarm.callbacks.checkpoint_io import CHECKPOINT_FILES, LATEST_FILE, META_FILE
+from lightning_swarm.checkpoint.checkpoint_io import CHECKPOINT_FILES, LATEST_FILE, META_FILE
 
 logger = logging.getLogger(__name__)
 
