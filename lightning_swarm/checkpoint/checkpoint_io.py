@@ -5,7 +5,8 @@ A checkpoint is a directory::
     model.safetensors        module.state_dict() (tied weights stored once, see safetensors.torch.save_model)
     training_state.safetensors  every tensor of the optimizer and scheduler states, flattened
     training_state.json      the non-tensor structure of those states; tensors appear as {"__tensor__": key}
-    meta.json                run id, global epoch, samples seen, loss, time, ...
+    meta.json                run id, global epoch, samples seen, loss, time, ..., and the sha256 and size of
+                             each of the other files ("files"), which reading verifies
 
 Checkpoints of one run live side by side under a root directory, next to a ``latest`` file that names the
 newest complete one::
@@ -14,7 +15,10 @@ newest complete one::
     root/epoch_000010/...
     root/epoch_000012/...
 
-Nothing read back is unpickled: tensors come from safetensors, everything else from JSON.
+Nothing read back is unpickled: tensors come from safetensors, everything else from JSON. Reading checks
+every file against the sha256 in meta.json, so a flipped bit or a truncated download is refused, not loaded
+(this catches corruption; it is no signature: whoever can replace the files can replace meta.json too).
+``latest`` must name a checkpoint directly inside its root; pruning orders checkpoints by epoch number.
 A save writes into a hidden temporary directory, renames it into place, then replaces ``latest``
 (``os.replace``), so a crash at any point leaves the previous checkpoint loadable.
 """
@@ -26,6 +30,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -38,22 +43,41 @@ from fsspec.implementations.local import LocalFileSystem
 import torch
 from safetensors.torch import load_file, save_file, save_model, load_model
 
+from lightning_swarm.checkpoint.integrity import CheckpointIntegrityError, record_files, verify_files  # noqa: F401
+
 logger = logging.getLogger(__name__)
 
 FORMAT_NAME = "lightning-swarm-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: meta.json records each file's sha256 ("files")
 MODEL_FILE = "model.safetensors"
 STATE_TENSORS_FILE = "training_state.safetensors"
 STATE_JSON_FILE = "training_state.json"
 META_FILE = "meta.json"
 LATEST_FILE = "latest"
 CHECKPOINT_FILES = (MODEL_FILE, STATE_TENSORS_FILE, STATE_JSON_FILE, META_FILE)
+HASHED_FILES = (MODEL_FILE, STATE_TENSORS_FILE, STATE_JSON_FILE)  # meta.json cannot hold its own hash
 TMP_PREFIX = ".tmp-"
+# epoch_000012, or epoch_000012.1 when an epoch was saved again (e.g. on train end)
+CHECKPOINT_NAME = re.compile(r"epoch_(\d+)(?:\.(\d+))?")
 
 
 def checkpoint_name(global_epoch: int) -> str:
-    """Directory name of the checkpoint taken at ``global_epoch`` (zero-padded so names sort by epoch)."""
+    """Directory name of the checkpoint taken at ``global_epoch`` (zero-padded to 6 digits for readability;
+    order checkpoints with :func:`checkpoint_order`, since epoch 1000000 has more digits)."""
     return f"epoch_{global_epoch:06d}"
+
+
+def checkpoint_order(name: str) -> Optional[tuple]:
+    """(epoch, re-save number) of a checkpoint directory name, to sort by; None for names not of that form."""
+    match = CHECKPOINT_NAME.fullmatch(name)
+    if match is None:
+        return None
+    return int(match.group(1)), int(match.group(2) or 0)
+
+
+def sort_checkpoint_names(names) -> List[str]:
+    """The checkpoint names among ``names``, oldest first by epoch number (other names are left out)."""
+    return sorted((n for n in names if checkpoint_order(n) is not None), key=checkpoint_order)
 
 
 # --------------------------------------------------------------------------- state flattening (no pickle)
@@ -146,7 +170,9 @@ def write_checkpoint_dir(
     )
     _save_tensors(tensors, os.path.join(directory, STATE_TENSORS_FILE))
     _write_json(os.path.join(directory, STATE_JSON_FILE), structure)
-    _write_json(os.path.join(directory, META_FILE), dict(meta, format=FORMAT_NAME, format_version=FORMAT_VERSION))
+    files = record_files(directory, HASHED_FILES)
+    meta = dict(meta, format=FORMAT_NAME, format_version=FORMAT_VERSION, files=files)
+    _write_json(os.path.join(directory, META_FILE), meta)
 
 
 def save_checkpoint(
@@ -226,13 +252,12 @@ def _write_latest(root: str, name: str) -> None:
 
 
 def list_checkpoints(root: str) -> List[str]:
-    """Names of the complete checkpoints under a local ``root``, oldest first."""
+    """Names of the complete checkpoints under a local ``root``, oldest first by epoch number (directories
+    not named like a checkpoint are not listed, so pruning never touches them)."""
     if not os.path.isdir(root):
         return []
-    return sorted(
-        name
-        for name in os.listdir(root)
-        if not name.startswith(TMP_PREFIX) and os.path.isfile(os.path.join(root, name, META_FILE))
+    return sort_checkpoint_names(
+        name for name in os.listdir(root) if os.path.isfile(os.path.join(root, name, META_FILE))
     )
 
 
@@ -256,11 +281,32 @@ def prune_checkpoints(root: str, keep_last: int, protected: Optional[set] = None
     return deleted
 
 
+def check_latest_name(name: str, root: str) -> str:
+    """``name`` (read from ``root/latest``) if it names a directory directly inside ``root``; raises
+    ValueError otherwise, so a crafted ``latest`` cannot point a reader (or pruning) anywhere else."""
+    if checkpoint_order(name) is None:
+        raise ValueError(
+            f"{root}/{LATEST_FILE} names {name!r}, not a checkpoint directory inside that root "
+            f"(expected a name like {checkpoint_name(12)!r}); refusing to follow it"
+        )
+    return name
+
+
 def read_latest_name(root: str) -> Optional[str]:
+    """The checkpoint name ``root/latest`` holds (None if there is no such file); see :func:`check_latest_name`."""
     path = os.path.join(root, LATEST_FILE)
     if not os.path.isfile(path):
         return None
-    return open(path).read().strip() or None
+    with open(path) as f:
+        name = f.read().strip()
+    if not name:
+        return None
+    check_latest_name(name, root)
+    if os.path.islink(os.path.join(root, name)):  # a symlink would lead out of the root just the same
+        target = os.path.realpath(os.path.join(root, name))
+        if os.path.dirname(target) != os.path.realpath(root):
+            raise ValueError(f"{root}/{name} is a symlink to {target}, outside the checkpoint root; refusing it")
+    return name
 
 
 # --------------------------------------------------------------------------- reading
@@ -294,7 +340,10 @@ def resolve_checkpoint_url(url: str) -> str:
     if fs.isfile(f"{path}/{META_FILE}"):
         return url.rstrip("/")
     if fs.isfile(f"{path}/{LATEST_FILE}"):
-        name = fs.cat_file(f"{path}/{LATEST_FILE}").decode().strip()
+        if isinstance(fs, LocalFileSystem):
+            name = read_latest_name(path)
+        else:
+            name = check_latest_name(fs.cat_file(f"{path}/{LATEST_FILE}").decode().strip(), url)
         return f"{url.rstrip('/')}/{name}"
     raise FileNotFoundError(
         f"No checkpoint at {url!r}: expected {META_FILE} (a checkpoint directory) or {LATEST_FILE} "
@@ -324,6 +373,10 @@ def read_checkpoint(url: str, cache_dir: Optional[str] = None) -> Checkpoint:
         meta = json.load(f)
     if meta.get("format") != FORMAT_NAME:
         raise ValueError(f"{url!r} is not a {FORMAT_NAME} (meta.json format={meta.get('format')!r})")
+    if meta.get("files") is None and isinstance(meta.get("format_version"), int) and meta["format_version"] < 2:
+        logger.warning(f"Checkpoint {url}: written before sha256 hashes were recorded; its files are not verified")
+    else:
+        verify_files(local_dir, meta.get("files"), HASHED_FILES, url)
     with open(os.path.join(local_dir, STATE_JSON_FILE)) as f:
         structure = json.load(f)
     tensors = load_file(os.path.join(local_dir, STATE_TENSORS_FILE))

@@ -26,7 +26,7 @@ from typing import Callable, List, Optional, Set
 
 import fsspec
 
-from lightning_swarm.checkpoint.checkpoint_io import CHECKPOINT_FILES, LATEST_FILE, META_FILE
+from lightning_swarm.checkpoint.checkpoint_io import CHECKPOINT_FILES, LATEST_FILE, META_FILE, sort_checkpoint_names
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def upload_to_fsspec(local_dir: str, url: str, keep_last: Optional[int] = None) 
         fs.put_file(os.path.join(local_dir, file), f"{root}/{name}/{file}")
     fs.pipe_file(f"{root}/{LATEST_FILE}", (name + "\n").encode())
     if keep_last is not None:
-        names = sorted(
+        names = sort_checkpoint_names(
             os.path.basename(p.rstrip("/"))
             for p in fs.ls(root, detail=False)
             if fs.isfile(f"{p.rstrip('/')}/{META_FILE}")

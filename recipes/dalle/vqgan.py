@@ -304,12 +304,12 @@ def read_state_dict(path: str | Path, map_location: str | torch.device = "cpu") 
         reason = next((line.strip() for line in str(error).splitlines() if "Unsupported global" in line),
                       str(error).splitlines()[0])
         raise ValueError(
-            f"{path} holds Python objects besides tensors (old Lightning metadata such as callback "
-            f"classes or hyper-parameters), which are not loaded because unpickling them can run arbitrary "
-            f"code. Convert it once, in an environment you trust, to safetensors: python -c \"import torch; "
-            f"from safetensors.torch import save_file; sd = torch.load('{path}', map_location='cpu', "
-            f"weights_only=False)['state_dict']; save_file({{k: v.contiguous() for k, v in sd.items()}}, "
-            f"'{path.with_suffix('.safetensors')}')\" and pass the .safetensors file. "
+            f"{path} holds Python objects besides tensors (old Lightning metadata such as callback classes "
+            f"or hyper-parameters) and is refused: unpickling them can run arbitrary code, so this loader "
+            f"never does, and neither should you for a file you did not make. Pass a .safetensors file of the "
+            f"same weights instead: many published VQGANs ship one, and whoever made this checkpoint can "
+            f"export one where they already load it, with safetensors.torch.save_file(state_dict, "
+            f"'{path.with_suffix('.safetensors').name}'). "
             f"torch said: {reason}") from None
     if isinstance(checkpoint, dict) and isinstance(checkpoint.get("state_dict"), dict):
         checkpoint = checkpoint["state_dict"]

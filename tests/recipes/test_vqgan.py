@@ -154,8 +154,9 @@ def test_checkpoint_with_pickled_objects_is_refused_clearly(tmp_path):
     model = random_vqgan("gumbel")
     # old Lightning stored hyper-parameters as an argparse.Namespace: not a tensor, not loadable safely
     save_taming_checkpoint(model, tmp_path / "old.ckpt", hparams=argparse.Namespace(lr=4.5e-6))
-    with pytest.raises(ValueError, match=r"holds Python objects besides tensors.*safetensors"):
+    with pytest.raises(ValueError, match=r"holds Python objects besides tensors.*safetensors") as refusal:
         read_state_dict(tmp_path / "old.ckpt")
+    assert "weights_only=False" not in str(refusal.value)  # never coaches anyone into unpickling the file
     with pytest.raises(FileNotFoundError):
         read_state_dict(tmp_path / "nope.ckpt")
 
