@@ -26,21 +26,36 @@ class LoadedDALLE:
 
 
 def load_dalle(checkpoint: str | Path, device: str | torch.device = "cpu") -> LoadedDALLE:
-    """Load a Lightning checkpoint of `recipes.dalle.module.DALLEModule` (read with torch.load(weights_only=True);
-    its hyper-parameters hold the DALLEConfig and the codec name) and build the codec it names.
+    """Load a trained `recipes.dalle.module.DALLEModule` and build the image codec its config names.
 
     Args:
-        checkpoint: path of the `.ckpt` file (e.g. runs/dalle_tiny/checkpoints/last.ckpt).
+        checkpoint: where the swarm's checkpoints are, as `SwarmCheckpoint` and the monitor write them: a
+            checkpoint directory, a directory with a `latest` file (its newest checkpoint is read), or a URL
+            of either (`hf://owner/repo`, `s3://...`, `file://...`, any fsspec URL). Their meta.json names the
+            model and its init args. An old Lightning `.ckpt` file also works (read with
+            torch.load(weights_only=True)). Nothing is unpickled.
         device: where the model runs.
     """
     from recipes.dalle.module import DALLEModule
 
-    path = Path(checkpoint)
-    if not path.is_file():
-        raise ValueError(f"no DALL-E checkpoint at {path}: train one with "
-                         f"`python -m recipes.dalle fit --config configs/dalle_tiny.yaml` "
-                         f"(it writes runs/dalle_tiny/checkpoints/last.ckpt) and pass it as --checkpoint")
-    module = DALLEModule.from_checkpoint(str(path), map_location=device)
+    if str(checkpoint).endswith(".ckpt"):
+        path = Path(checkpoint)
+        if not path.is_file():
+            raise ValueError(f"no DALL-E checkpoint at {path}: train one with "
+                             f"`python -m recipes.dalle fit --config configs/dalle_tiny.yaml` (it writes "
+                             f"runs/dalle_tiny/checkpoints/) and pass that directory or the swarm's URL as --checkpoint")
+        module = DALLEModule.from_checkpoint(str(path), map_location=device)
+    else:
+        from lightning_swarm.checkpoint.checkpoint_io import read_checkpoint
+
+        try:
+            saved = read_checkpoint(str(checkpoint), training_state=False)
+        except FileNotFoundError as e:
+            raise ValueError(f"{e}. Train with `python -m recipes.dalle fit --config configs/dalle_tiny.yaml` "
+                             f"(it writes runs/dalle_tiny/checkpoints/) or pass the swarm's checkpoint URL") from None
+        module = saved.build_model(device)
+        if not isinstance(module, DALLEModule):
+            raise ValueError(f"{saved.url} holds a {type(module).__name__}, not a DALL-E (recipes.dalle.module.DALLEModule)")
     model = module.model.to(device).eval()
     codec = module.image_codec()
     if hasattr(codec, "to"):

@@ -1,6 +1,6 @@
 """Offline quality benchmark on the embedded shapes data: does CLIP reranking pick correct images?
 
-    python -m inference.evaluate --checkpoint runs/dalle_tiny/checkpoints/last.ckpt \\
+    python -m inference.evaluate --checkpoint runs/dalle_tiny/checkpoints \\
         --clip-model checkpoints/clip_tiny --num-captions 32 --num-candidates 16 --json eval.json
 
 For each of the first `num-captions` distinct validation captions (about half name a colour+shape pair
@@ -166,7 +166,7 @@ def evaluate(dalle: LoadedDALLE, reranker: CLIPReranker, num_captions: int = 32,
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="DALL-E Lightning checkpoint (.ckpt) trained on shapes")
+    parser.add_argument("--checkpoint", required=True, help="a DALL-E trained on shapes: a directory or URL (hf://owner/repo, any fsspec URL) of checkpoints as SwarmCheckpoint and the monitor write them, or an old Lightning .ckpt file")
     parser.add_argument("--clip-model", default=DEFAULT_CLIP, help="local CLIP directory or open_clip name")
     parser.add_argument("--clip-pretrained", default=None, help="pretrained tag or weights file (open_clip names)")
     parser.add_argument("--num-captions", type=int, default=128,

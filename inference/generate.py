@@ -1,6 +1,6 @@
 """CLIP-reranked text-to-image sampling from a DALL-E checkpoint.
 
-    python -m inference.generate --checkpoint runs/dalle_tiny/checkpoints/last.ckpt \\
+    python -m inference.generate --checkpoint runs/dalle_tiny/checkpoints \\
         --prompt "a big red circle" --prompt "a blue cross above a green square" \\
         --num-candidates 128 --keep 4 --top-k 256 --clip-model checkpoints/clip_tiny --out samples
 
@@ -108,7 +108,7 @@ def generate(
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="DALL-E Lightning checkpoint (.ckpt)")
+    parser.add_argument("--checkpoint", required=True, help="the DALL-E: a directory or URL (hf://owner/repo, any fsspec URL) of checkpoints as SwarmCheckpoint and the monitor write them, or an old Lightning .ckpt file")
     parser.add_argument("--prompt", action="append", required=True, help="a caption; repeat for several")
     parser.add_argument("--num-candidates", type=int, default=128, help="images sampled per prompt")
     parser.add_argument("--keep", type=int, default=4, help="best images kept per prompt")

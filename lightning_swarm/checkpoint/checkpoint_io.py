@@ -5,7 +5,8 @@ A checkpoint is a directory::
     model.safetensors        module.state_dict() (tied weights stored once, see safetensors.torch.save_model)
     training_state.safetensors  every tensor of the optimizer and scheduler states, flattened
     training_state.json      the non-tensor structure of those states; tensors appear as {"__tensor__": key}
-    meta.json                run id, global epoch, samples seen, loss, time, ..., and the sha256 and size of
+    meta.json                run id, global epoch, samples seen, loss, time, ..., ``model``: the class path and
+                             init args that rebuild the model (see ``model_spec``), and the sha256 and size of
                              each of the other files ("files"), which reading verifies
 
 Checkpoints of one run live side by side under a root directory, next to a ``latest`` file that names the
@@ -44,6 +45,7 @@ import torch
 from safetensors.torch import load_file, save_file, save_model, load_model
 
 from lightning_swarm.checkpoint.integrity import CheckpointIntegrityError, record_files, verify_files  # noqa: F401
+from lightning_swarm.checkpoint.model_spec import build_model, model_spec
 
 logger = logging.getLogger(__name__)
 
@@ -223,6 +225,7 @@ def save_checkpoint(
         time=time.time(),
         time_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         module_class=f"{type(module).__module__}.{type(module).__qualname__}",
+        model=model_spec(module),  # what rebuilds the model for sampling (class path + init args)
         **(extra_meta or {}),
     )
     try:
@@ -331,6 +334,12 @@ class Checkpoint:
         device = next(iter(module.parameters()), torch.empty(0)).device
         load_model(module, self.model_file, strict=strict, device=str(device))
 
+    def build_model(self, device: str | torch.device = "cpu") -> torch.nn.Module:
+        """The model meta.json describes (class path + init args), with the saved weights, in eval mode."""
+        module = build_model(self.meta.get("model"), source=self.url).to(device)
+        self.load_into(module)
+        return module.eval()
+
 
 def resolve_checkpoint_url(url: str) -> str:
     """The URL of one checkpoint directory: ``url`` itself if it holds meta.json, else the one ``url/latest``
@@ -351,13 +360,14 @@ def resolve_checkpoint_url(url: str) -> str:
     )
 
 
-def read_checkpoint(url: str, cache_dir: Optional[str] = None) -> Checkpoint:
+def read_checkpoint(url: str, cache_dir: Optional[str] = None, training_state: bool = True) -> Checkpoint:
     """Read a checkpoint from a local path or any fsspec URL (``memory://``, ``s3://``, ``hf://user/repo``).
 
     Args:
         url: a checkpoint directory, or a root with a ``latest`` file (the newest checkpoint is read).
         cache_dir: where remote files are downloaded (default: a directory under the system's temp dir named
             after the URL, so reading the same URL again overwrites rather than piles up copies).
+        training_state: also read the optimizer/scheduler states (False for sampling: only the weights).
     """
     url = resolve_checkpoint_url(url)
     fs, path = fsspec.core.url_to_fs(url)
@@ -367,7 +377,8 @@ def read_checkpoint(url: str, cache_dir: Optional[str] = None) -> Checkpoint:
         url_hash = hashlib.sha256(url.encode()).hexdigest()[:16]
         local_dir = cache_dir or os.path.join(tempfile.gettempdir(), "lightning_swarm_checkpoints", url_hash)
         os.makedirs(local_dir, exist_ok=True)
-        for name in CHECKPOINT_FILES:
+        needed = CHECKPOINT_FILES if training_state else (MODEL_FILE, META_FILE)
+        for name in needed:
             fs.get_file(f"{path}/{name}", os.path.join(local_dir, name))
     with open(os.path.join(local_dir, META_FILE)) as f:
         meta = json.load(f)
@@ -376,7 +387,9 @@ def read_checkpoint(url: str, cache_dir: Optional[str] = None) -> Checkpoint:
     if meta.get("files") is None and isinstance(meta.get("format_version"), int) and meta["format_version"] < 2:
         logger.warning(f"Checkpoint {url}: written before sha256 hashes were recorded; its files are not verified")
     else:
-        verify_files(local_dir, meta.get("files"), HASHED_FILES, url)
+        verify_files(local_dir, meta.get("files"), HASHED_FILES if training_state else (MODEL_FILE,), url)
+    if not training_state:
+        return Checkpoint(url=url, meta=meta, model_file=os.path.join(local_dir, MODEL_FILE))
     with open(os.path.join(local_dir, STATE_JSON_FILE)) as f:
         structure = json.load(f)
     tensors = load_file(os.path.join(local_dir, STATE_TENSORS_FILE))

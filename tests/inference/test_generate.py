@@ -2,6 +2,7 @@ import json
 
 import numpy as np
 import pytest
+import lightning as L
 import torch
 from PIL import Image
 
@@ -18,6 +19,33 @@ def test_checkpoint_loads_without_unpickling(tiny_dalle_checkpoint):
     assert images.shape == (2, 3, 128, 128)
     with pytest.raises(ValueError, match="recipes.dalle fit"):
         load_dalle(tiny_dalle_checkpoint.parent / "missing.ckpt")
+
+
+class NotADalle(L.LightningModule):
+    def __init__(self, width: int = 2):
+        super().__init__()
+        self.save_hyperparameters()
+        self.layer = torch.nn.Linear(width, width)
+
+
+def test_swarm_checkpoints_load_from_a_directory_its_root_or_a_url(tiny_dalle_checkpoint, tmp_path):
+    """The format SwarmCheckpoint and the monitor write: meta.json rebuilds the model (codec included)."""
+    from lightning_swarm.checkpoint.checkpoint_io import save_checkpoint
+    from recipes.dalle.module import DALLEModule
+
+    module = DALLEModule.from_checkpoint(str(tiny_dalle_checkpoint))
+    path = save_checkpoint(str(tmp_path / "run"), module, global_epoch=7)
+    expected = module.model.state_dict()
+    for source in (path, str(tmp_path / "run"), f"file://{tmp_path / 'run'}"):
+        dalle = load_dalle(source)
+        assert dalle.codec.codebook_size == 8 and dalle.model.config == module.model.config
+        for name, tensor in dalle.model.state_dict().items():
+            assert torch.equal(tensor, expected[name]), (source, name)
+    with pytest.raises(ValueError, match="No checkpoint at"):
+        load_dalle(str(tmp_path / "empty"))
+    save_checkpoint(str(tmp_path / "other"), NotADalle(width=3), global_epoch=1)
+    with pytest.raises(ValueError, match="not a DALL-E"):
+        load_dalle(str(tmp_path / "other"))
 
 
 def test_generate_cli_writes_grids_and_scores(tiny_dalle_checkpoint, tiny_clip_dir, tmp_path):
