@@ -2,12 +2,14 @@
 
 from lightning.pytorch.cli import LightningCLI
 
+from recipes.cli import RecipeTrainer
 from recipes.clip.data import ShapesCLIPDataModule
 from recipes.clip.module import CLIPModule
 
 
 def main(args=None) -> None:
-    LightningCLI(CLIPModule, ShapesCLIPDataModule, args=args, save_config_kwargs={"overwrite": True})
+    LightningCLI(CLIPModule, ShapesCLIPDataModule, trainer_class=RecipeTrainer, args=args,
+                 save_config_kwargs={"overwrite": True})
 
 
 if __name__ == "__main__":
