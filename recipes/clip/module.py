@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_only
 from safetensors.torch import save_file
 
+from lightning_swarm.lr_schedule import check_schedule, warmup_decay_scheduler
 from recipes.clip.data import NEGATIVE_KINDS, NUM_LAYOUTS
 
 TINY_CLIP_CONFIG = {
@@ -73,8 +74,10 @@ class CLIPModule(L.LightningModule):
         model_cfg: open_clip model config (embed_dim, vision_cfg, text_cfg), e.g. TINY_CLIP_CONFIG.
         lr: AdamW peak learning rate.
         weight_decay: AdamW weight decay (not applied to gains, biases and the logit scale).
-        warmup_steps: linear warmup steps, then cosine decay to 10% over `total_steps`.
-        total_steps: length of the cosine schedule in optimizer steps (set it to trainer.max_steps).
+        warmup_steps: linear warmup steps, then decay to 10% of `lr` until `total_steps`
+            (`lightning_swarm.lr_schedule`).
+        total_steps: length of the whole schedule (warm-up included) in optimizer steps (set it to trainer.max_steps).
+        decay: shape of the decay, "cosine" or "linear".
         hard_negatives: also contrast each image against its hard-negative captions.
         negative_images: also train on the pictures of the first hard negative of each example, as pairs
             of their own (image and caption): then each caption must also pick its picture over a picture
@@ -92,12 +95,13 @@ class CLIPModule(L.LightningModule):
     """
 
     def __init__(self, model_cfg: dict | None = None, lr: float = 1e-3, weight_decay: float = 0.1,
-                 warmup_steps: int = 50, total_steps: int = 1000, hard_negatives: bool = True,
+                 warmup_steps: int = 50, total_steps: int = 1000, decay: str = "cosine", hard_negatives: bool = True,
                  negative_images: bool = True, layout_weight: float = 0.0,
                  export_dir: str | None = "checkpoints/clip_tiny",
                  mean: tuple[float, float, float] = open_clip.OPENAI_DATASET_MEAN,
                  std: tuple[float, float, float] = open_clip.OPENAI_DATASET_STD):
         super().__init__()
+        check_schedule(warmup_steps, max(total_steps - warmup_steps, 1), decay, min_lr_ratio=0.1)
         self.save_hyperparameters()
         self.model_cfg = dict(model_cfg or TINY_CLIP_CONFIG)
         self.model = open_clip.CLIP(**self.model_cfg)
@@ -185,15 +189,9 @@ class CLIPModule(L.LightningModule):
             (no_decay if param.ndim < 2 or "logit_scale" in name else decay).append(param)
         optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": self.hparams.weight_decay},
                                        {"params": no_decay, "weight_decay": 0.0}], lr=self.hparams.lr)
-        warmup, total = self.hparams.warmup_steps, max(self.hparams.total_steps, self.hparams.warmup_steps + 1)
-
-        def schedule(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            progress = min(1.0, (step - warmup) / (total - warmup))
-            return 0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(progress * torch.pi)).item())
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        warmup = self.hparams.warmup_steps
+        decay_steps = max(self.hparams.total_steps - warmup, 1)  # total_steps counts the warm-up too
+        scheduler = warmup_decay_scheduler(optimizer, warmup, decay_steps, self.hparams.decay, min_lr_ratio=0.1)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def export(self, directory: str | Path) -> Path:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict
 from typing import Any
 
@@ -10,6 +9,7 @@ import lightning as L
 import torch
 from lightning.pytorch.cli import OptimizerCallable
 
+from lightning_swarm.lr_schedule import check_schedule, warmup_decay_scheduler
 from recipes.dalle.model import DALLE, DALLEConfig
 
 
@@ -38,7 +38,8 @@ class DALLEModule(L.LightningModule):
         vqgan_checkpoint: taming checkpoint of the VQGAN (path or hf://OWNER/REPO/FILE), with "vqgan".
         optimizer: builds the optimizer from the parameters (LightningCLI: `optimizer: {class_path: ...}`).
         warmup_steps: optimizer steps of linear LR warm-up. Under HivemindStrategy a step is a global epoch.
-        decay_steps: optimizer steps of cosine decay after warm-up (None: constant LR after warm-up).
+        decay_steps: optimizer steps of decay after warm-up (None: constant LR after warm-up).
+        decay: shape of the decay, "cosine" or "linear" (see `lightning_swarm.lr_schedule`).
         min_lr_ratio: the LR at the end of the decay, as a fraction of the peak LR.
         text_dropout: probability that a training example's caption is replaced by `unconditional_text`
             (caption dropout), so that the model also learns p(image) and classifier-free guidance
@@ -54,23 +55,21 @@ class DALLEModule(L.LightningModule):
         optimizer: OptimizerCallable = default_optimizer,
         warmup_steps: int = 100,
         decay_steps: int | None = None,
+        decay: str = "cosine",
         min_lr_ratio: float = 0.1,
         text_dropout: float = 0.0,
     ):
         super().__init__()
         if image_codec not in ("palette", "vqgan"):
             raise ValueError(f"image_codec must be 'palette' or 'vqgan', got {image_codec!r}")
-        if warmup_steps < 0 or (decay_steps is not None and decay_steps <= 0):
-            raise ValueError("warmup_steps must be >= 0 and decay_steps > 0 (or None)")
-        if not 0.0 <= min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio must lie in [0, 1], got {min_lr_ratio}")
+        check_schedule(warmup_steps, decay_steps, decay, min_lr_ratio)
         if not 0.0 <= text_dropout <= 1.0:
             raise ValueError(f"text_dropout must lie in [0, 1], got {text_dropout}")
         # Plain types only, so checkpoints load with torch.load(weights_only=True).
         self.save_hyperparameters({
             "config": asdict(config), "image_codec": image_codec, "vqgan_config": vqgan_config,
             "vqgan_checkpoint": vqgan_checkpoint, "warmup_steps": warmup_steps, "decay_steps": decay_steps,
-            "min_lr_ratio": min_lr_ratio, "text_dropout": text_dropout,
+            "decay": decay, "min_lr_ratio": min_lr_ratio, "text_dropout": text_dropout,
         })
         self.config = config
         self.model = DALLE(config)
@@ -171,15 +170,7 @@ class DALLEModule(L.LightningModule):
         decay_params = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
         other_params = [p for n, p in self.model.named_parameters() if p.dim() < 2]
         optimizer = self.optimizer_factory([{"params": decay_params}, {"params": other_params, "weight_decay": 0.0}])
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_multiplier)
+        hp = self.hparams
+        scheduler = warmup_decay_scheduler(optimizer, hp["warmup_steps"], hp["decay_steps"], hp.get("decay", "cosine"),
+                                           hp["min_lr_ratio"])
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-    def lr_multiplier(self, step: int) -> float:
-        """Linear warm-up to the peak LR, then cosine decay to `min_lr_ratio` over `decay_steps`."""
-        warmup, decay, floor = self.hparams["warmup_steps"], self.hparams["decay_steps"], self.hparams["min_lr_ratio"]
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        if decay is None:
-            return 1.0
-        progress = min(1.0, (step - warmup) / decay)
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
