@@ -22,12 +22,12 @@ one-element array is a TypeError there), so a swarm using them dies on the first
 * Size: 1 byte per value + 4 bytes per 4096 values + 1040 bytes per message (codebook and header), i.e.
   at most 1.017 bytes per value for tensors of 2**16 values and more.
 
-Routing: hivemind's proto has a closed enum of compression types, and ``deserialize_torch_tensor`` looks
-the decoder up by name in ``hivemind.compression.serialization._BASE_COMPRESSION_TYPES`` on every call.
-Importing this module re-registers the ``BLOCKWISE_8BIT`` entry with our codec (same wire format, working
-``extract``) and the ``UNIFORM_8BIT``/``QUANTILE_8BIT`` entries with numpy-2.4-safe subclasses of
-hivemind's codecs, so every peer that imports ``lightning_swarm`` decodes all 8-bit messages. The strategy
-imports this module, which makes the registration happen before any averaging starts.
+Routing: hivemind looks the decoder of every incoming tensor up by its compression type in a process-wide
+registry (see :mod:`lightning_swarm.hivemind_ext.codecs`). :func:`register_fixed_codecs` puts our codec there for
+``BLOCKWISE_8BIT`` (same wire format, working ``extract``) and numpy-2.4-safe subclasses of hivemind's codecs for
+``UNIFORM_8BIT``/``QUANTILE_8BIT``, so the process decodes every 8-bit message. Importing this module changes
+nothing; the registration happens when a :class:`SwarmCompression` is built (``default_compression()``), and
+HivemindStrategy and the monitor call it before their averagers start, whatever codec they send with.
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ from hivemind.compression import (
     SizeAdaptiveCompression,
     Uniform8BitQuantization,
 )
-from hivemind.compression import serialization as hivemind_serialization
 from hivemind.compression.adaptive import AdaptiveCompressionBase
 from hivemind.proto import runtime_pb2
+
+from lightning_swarm.hivemind_ext.codecs import register_decoders
 
 # hivemind's BLOCKWISE_8BIT decoder hard-codes this block size; keeping it makes messages interoperable
 BLOCKSIZE = 4096
@@ -236,6 +237,7 @@ class SwarmCompression(AdaptiveCompressionBase):
         if threshold < 1:
             raise ValueError(f"threshold must be a positive number of elements, got {threshold}")
         self.threshold = threshold
+        register_fixed_codecs()  # peers that send 8-bit messages receive them too
         self.size_adaptive = SizeAdaptiveCompression(
             threshold, less=Float16Compression(), greater_equal=Blockwise8BitQuantization()
         )
@@ -261,14 +263,17 @@ def default_compression(threshold: int = DEFAULT_THRESHOLD) -> CompressionBase:
 
 
 def register_fixed_codecs() -> None:
-    """Make hivemind's ``deserialize_torch_tensor`` decode 8-bit messages with numpy-2.4-safe codecs.
+    """Make hivemind decode 8-bit messages with numpy-2.4-safe codecs, in this process and the averager processes
+    it starts afterwards. Idempotent. See the module docstring for why this is needed and safe."""
+    global _FIXED_CODECS_REGISTERED
+    if _FIXED_CODECS_REGISTERED:
+        return
+    register_decoders({
+        "BLOCKWISE_8BIT": Blockwise8BitQuantization(),
+        "UNIFORM_8BIT": Uniform8BitQuantizationFixed(),
+        "QUANTILE_8BIT": Quantile8BitQuantizationFixed(),
+    })
+    _FIXED_CODECS_REGISTERED = True
 
-    Idempotent; runs on import of this module. See the module docstring for why this is needed and safe.
-    """
-    registry = hivemind_serialization._BASE_COMPRESSION_TYPES
-    registry["BLOCKWISE_8BIT"] = Blockwise8BitQuantization()
-    registry["UNIFORM_8BIT"] = Uniform8BitQuantizationFixed()
-    registry["QUANTILE_8BIT"] = Quantile8BitQuantizationFixed()
 
-
-register_fixed_codecs()
+_FIXED_CODECS_REGISTERED = False

@@ -35,7 +35,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_swarm import compression as swarm_compression  # also registers numpy-2.4-safe 8-bit decoders
+from lightning_swarm import compression as swarm_compression
 from lightning_swarm import metrics as swarm_metrics
 from lightning_swarm.peers import (
     INITIAL_PEERS_ENV,
@@ -45,7 +45,7 @@ from lightning_swarm.peers import (
     resolve_initial_peers,
 )
 from lightning_swarm.scheduler import GlobalEpochScheduler, rebind_scheduler
-from lightning_swarm.swarm_optimizer import SwarmGradientAverager, SwarmOptimizer
+from lightning_swarm.hivemind_ext.optimizer import SwarmGradientAverager, SwarmOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         tracker_opts: extra keyword arguments for hivemind's ProgressTracker (e.g. ``{"max_refresh_period": 2}``),
             plus ``min_report_interval`` (default: ``min_refresh_period``, 0.5 s): this peer publishes its
             progress to the DHT at most that often (and every half fetch interval, which is longer early in an
-            epoch), not once per local step (see :mod:`lightning_swarm.tracker`).
+            epoch), not once per local step (see :mod:`lightning_swarm.hivemind_ext.tracker`).
         publish_metrics: publish this peer's metrics to the DHT (for a monitoring peer), see
             :mod:`lightning_swarm.metrics`.
         metrics_interval: seconds between two metric publications.
@@ -338,6 +338,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         if user_scheduler is not None:
             rebind_scheduler(user_scheduler, optimizer)  # fail early (e.g. ReduceLROnPlateau) with a clear message
 
+        swarm_compression.register_fixed_codecs()  # before the averagers start: peers may send any 8-bit codec
         compression = resolve_compression(self.compression)
         self._optimizer = SwarmOptimizer(
             dht=self._dht,

@@ -27,6 +27,8 @@ from lightning.pytorch.core.optimizer import _configure_optimizers, _configure_s
 
 from lightning_swarm import metrics as swarm_metrics
 from lightning_swarm.checkpoint.checkpoint_io import read_checkpoint
+from lightning_swarm.compression import register_fixed_codecs
+from lightning_swarm.hivemind_ext.state import progress_key, set_local_epoch
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +94,7 @@ class MonitorPeer:
             **dht_kwargs,
         )
         optimizer, scheduler = configure_optimizer(module)
+        register_fixed_codecs()  # before the averagers start, as on the trainers
         scheduler_factory = None
         if scheduler is not None:
             from lightning_swarm.scheduler import rebind_scheduler  # same LR-schedule handling as the trainers
@@ -192,8 +195,7 @@ class MonitorPeer:
             self.optimizer.load_state_dict(state)
         epoch = max(int(checkpoint.meta.get("global_epoch") or 0), newest + epoch_margin)
         averager = self.optimizer.state_averager
-        averager.local_epoch = epoch
-        averager._update_scheduler()  # the schedule follows the epoch, as on every peer
+        set_local_epoch(averager, epoch)  # the schedule follows the epoch, as on every peer
         averager.allow_state_sharing = True
         averager.state_sharing_priority = epoch + 0.5  # above every trainer still at an older epoch
         self.reverted_epoch = epoch
@@ -217,7 +219,7 @@ class MonitorPeer:
             client_mode=False,
         )
         self.dht.store(
-            key=f"{self.run_id}_progress",
+            key=progress_key(self.run_id),
             subkey=RSASignatureValidator().local_public_key,
             value=record.dict(),
             expiration_time=get_dht_time() + REVERT_RECORD_EXPIRATION,

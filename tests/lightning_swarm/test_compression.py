@@ -22,10 +22,16 @@ from lightning_swarm.compression import (
     default_compression,
     dynamic_code,
     quantize_uniform_blockwise,
+    register_fixed_codecs,
     uniform_code,
 )
 
 WORKER = Path(__file__).with_name("averaging_worker.py")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fixed_decoders():
+    register_fixed_codecs()  # as every peer does before its averagers start
 
 
 def sample(kind: str, numel: int = 2**17) -> torch.Tensor:

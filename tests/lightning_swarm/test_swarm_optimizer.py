@@ -14,8 +14,8 @@ from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils import get_dht_time
 
-from lightning_swarm.matchmaking import ThrottledPotentialLeaders, default_poll_interval
-from lightning_swarm.swarm_optimizer import SwarmGradientAverager, SwarmOptimizer, SwarmStateAverager
+from lightning_swarm.hivemind_ext.matchmaking import ThrottledPotentialLeaders, default_poll_interval
+from lightning_swarm.hivemind_ext.optimizer import SwarmGradientAverager, SwarmOptimizer, SwarmStateAverager
 
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 

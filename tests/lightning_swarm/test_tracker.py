@@ -7,7 +7,7 @@ import time
 import hivemind
 import pytest
 
-from lightning_swarm.tracker import ThrottledProgressTracker
+from lightning_swarm.hivemind_ext.tracker import ThrottledProgressTracker
 
 
 @pytest.fixture

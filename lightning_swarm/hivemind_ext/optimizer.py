@@ -3,10 +3,10 @@
 Each hivemind peer runs a DHT process and two averager processes next to training. Left as they are, they take a
 good part of a CPU core even when the peer is alone, which costs training throughput wherever cores are scarce.
 SwarmOptimizer changes four things and nothing else:
-- progress is published through :class:`~lightning_swarm.tracker.ThrottledProgressTracker` (not a DHT store on
-  every local step);
-- both averagers search for groups through :class:`~lightning_swarm.matchmaking.ThrottledLeaderSearch` (not a DHT
-  poll loop without pause);
+- progress is published through :class:`~lightning_swarm.hivemind_ext.tracker.ThrottledProgressTracker` (not a
+  DHT store on every local step);
+- both averagers search for groups through
+  :class:`~lightning_swarm.hivemind_ext.matchmaking.ThrottledLeaderSearch` (not a DHT poll loop without pause);
 - a peer alone in the run does not pre-schedule averaging rounds: there is no one to find, and hivemind would only
   search until it cancels the round at the end of the epoch;
 - in a swarm, state averaging rounds are pre-scheduled like gradient rounds (hivemind 1.1.12 never does, see
@@ -19,9 +19,9 @@ import hivemind
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 
-from lightning_swarm.grad_averager import SampleWeightedGradientAverager
-from lightning_swarm.matchmaking import ThrottledLeaderSearch
-from lightning_swarm.tracker import ThrottledProgressTracker
+from lightning_swarm.hivemind_ext.grad_averager import SampleWeightedGradientAverager
+from lightning_swarm.hivemind_ext.matchmaking import ThrottledLeaderSearch
+from lightning_swarm.hivemind_ext.tracker import ThrottledProgressTracker
 
 
 class HivemindRpcNames:

@@ -1,0 +1,46 @@
+"""The one place where lightning_swarm touches hivemind's private API (written for hivemind 1.1.12).
+
+Importing this package checks that the installed hivemind is a release this list was checked against
+(:data:`~lightning_swarm.hivemind_ext.private_api.SUPPORTED_HIVEMIND`) and raises a clear ImportError otherwise.
+Every private name used is listed in :data:`~lightning_swarm.hivemind_ext.private_api.PRIVATE_SYMBOLS`, which
+``tests/lightning_swarm/test_hivemind_ext.py`` checks against the installed hivemind. Modules and what they use:
+
+``optimizer`` (:class:`SwarmOptimizer`: hivemind.Optimizer with less background CPU)
+    - ``Optimizer._make_progress_tracker``: overridden to build a ThrottledProgressTracker.
+    - ``Optimizer._make_state_averager``: overridden to build a SwarmStateAverager with hivemind's arguments,
+      read from the instance attributes ``matchmaking_time``, ``allreduce_timeout``, ``shutdown_timeout``,
+      ``offload_optimizer``, ``status_loglevel``, ``next_chunk_timeout``, ``auxiliary``.
+    - ``Optimizer._maybe_schedule_gradient_averaging``: overridden, no pre-scheduled rounds while alone.
+    - ``Optimizer._maybe_schedule_state_averaging`` and ``Optimizer.delay_before_state_averaging``: state rounds
+      get pre-scheduled in a swarm (hivemind 1.1.12 never does).
+    - ``ServicerBase._get_handle_name``: our averager subclasses serve RPCs under hivemind's class names.
+``matchmaking`` (leader search that polls the DHT at a bounded rate)
+    - ``PotentialLeaders`` and ``PotentialLeaders._update_queue_periodically``: hivemind's polling loop, with a
+      pause; it uses the instance attributes ``peer_id``, ``min_matchmaking_time``, ``target_group_size``,
+      ``search_end_time``, ``max_assured_time``, ``leader_queue``, ``past_attempts``, ``running``,
+      ``update_triggered``, ``update_finished``.
+    - ``Matchmaking.potential_leaders``, ``DecentralizedAverager._matchmaking``: where the search is swapped in.
+    - ``MAX_DHT_TIME_DISCREPANCY_SECONDS``: the loop's margin, as in hivemind.
+``tracker`` (progress published at a bounded rate)
+    - ``ProgressTracker._parse_swarm_progress_data`` and ``ProgressTracker._local_public_key``: count our own
+      samples from the live progress, not from our possibly older DHT record.
+    - ``ProgressTracker.should_report_progress``: replaced by a throttled event.
+    - ``ProgressTracker.shutdown_triggered``, ``global_state_updated``, ``shutdown_complete``,
+      ``training_progress_key``, ``metadata_expiration``: a shutdown that waits for the "left the run" record.
+``grad_averager`` (gradients averaged per sample, not per local step)
+    - ``GradientAverager._anchor_batch_size``, ``GradientAverager._grad_accumulators``,
+      ``GradientAverager.local_samples_accumulated``, ``GradientAverager.load_accumulators_into_averager_``.
+``state`` (the monitor moving a state averager to another epoch)
+    - ``TrainingStateAverager._update_scheduler``: steps the LR schedule to the new epoch.
+    - ``ProgressTracker.training_progress_key``'s format: the monitor announces a reverted epoch under it.
+``codecs`` (decoders of incoming tensors)
+    - ``hivemind.compression.serialization._BASE_COMPRESSION_TYPES``: the process-wide decoder registry, where
+      :func:`lightning_swarm.compression.register_fixed_codecs` installs numpy-2.4-safe 8-bit decoders.
+
+To use another private name: put the code here, add a ``PrivateSymbol`` to ``private_api.PRIVATE_SYMBOLS`` and a
+line above (the test checks that both lists agree).
+"""
+
+from lightning_swarm.hivemind_ext.private_api import check_hivemind_version
+
+HIVEMIND_VERSION = check_hivemind_version()

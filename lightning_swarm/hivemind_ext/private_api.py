@@ -1,0 +1,192 @@
+"""The hivemind private API this package relies on, as data: one entry per symbol, checked by the tests.
+
+When you touch another private hivemind name, add a :class:`PrivateSymbol` to :data:`PRIVATE_SYMBOLS` and a line to
+the list in :mod:`lightning_swarm.hivemind_ext`'s docstring (a test checks both). After a hivemind upgrade,
+``missing_symbols()`` (and ``tests/lightning_swarm/test_hivemind_ext.py``) names what moved.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from typing import List, Optional, Tuple
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+# the hivemind releases whose private API the list below was checked against
+SUPPORTED_HIVEMIND_RANGE = ">=1.1.12,<1.2"
+SUPPORTED_HIVEMIND = SpecifierSet(SUPPORTED_HIVEMIND_RANGE)
+# set to 1 to try another hivemind release anyway (a warning instead of an ImportError)
+IGNORE_VERSION_ENV = "LIGHTNING_SWARM_IGNORE_HIVEMIND_VERSION"
+
+
+@dataclass(frozen=True)
+class PrivateSymbol:
+    """One private hivemind name that lightning_swarm uses.
+
+    Args:
+        module: hivemind module that defines it, e.g. ``"hivemind.optim.optimizer"``.
+        name: dotted path inside the module: ``"Optimizer._make_state_averager"`` (class attribute or method),
+            ``"_BASE_COMPRESSION_TYPES"`` (module attribute), or with ``instance=True`` ``"Class.attribute"``.
+        why: what we use it for.
+        used_in: module of ``lightning_swarm.hivemind_ext`` that uses it.
+        instance: the attribute is set on instances (in a method of the class or of a hivemind base class), not
+            defined on the class: it is checked by finding the assignment ``self.<attribute> = ...`` in the source.
+    """
+
+    module: str
+    name: str
+    why: str
+    used_in: str
+    instance: bool = False
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self.module}.{self.name}"
+
+
+def _symbols(module: str, used_in: str, entries: List[Tuple[str, str]], instance: bool = False) -> List[PrivateSymbol]:
+    return [PrivateSymbol(module, name, why, used_in, instance) for name, why in entries]
+
+
+_OPTIMIZER = "hivemind.optim.optimizer"
+_TRACKER = "hivemind.optim.progress_tracker"
+_MATCHMAKING = "hivemind.averaging.matchmaking"
+
+PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
+    _symbols(_OPTIMIZER, "optimizer", [
+        ("Optimizer._make_progress_tracker", "overridden to build a ThrottledProgressTracker"),
+        ("Optimizer._make_state_averager", "overridden to build a SwarmStateAverager with hivemind's arguments"),
+        ("Optimizer._maybe_schedule_gradient_averaging", "overridden: no pre-scheduled rounds while alone"),
+        ("Optimizer._maybe_schedule_state_averaging", "overridden: pre-schedule state rounds in a swarm"),
+    ])
+    + _symbols(_OPTIMIZER, "optimizer", [
+        ("Optimizer.delay_before_state_averaging", "seeded with 0 s so that state rounds get pre-scheduled"),
+        ("Optimizer.matchmaking_time", "argument of the state averager, as hivemind passes it"),
+        ("Optimizer.allreduce_timeout", "argument of the state averager, as hivemind passes it"),
+        ("Optimizer.shutdown_timeout", "argument of the state averager, as hivemind passes it"),
+        ("Optimizer.offload_optimizer", "argument of the state averager, as hivemind passes it"),
+        ("Optimizer.status_loglevel", "argument of the state averager and tracker, as hivemind passes it"),
+        ("Optimizer.next_chunk_timeout", "argument of the state averager, as hivemind passes it"),
+        ("Optimizer.auxiliary", "argument of the state averager, as hivemind passes it"),
+    ], instance=True)
+    + _symbols("hivemind.p2p.servicer", "optimizer", [
+        ("ServicerBase._get_handle_name", "subclassed averagers serve RPCs under hivemind's class names"),
+    ])
+    + _symbols(_MATCHMAKING, "matchmaking", [
+        ("PotentialLeaders", "subclassed: the leader search polls the DHT at a bounded rate"),
+        ("PotentialLeaders._update_queue_periodically", "overridden: hivemind's loop with a pause between polls"),
+    ])
+    + _symbols(_MATCHMAKING, "matchmaking", [
+        ("PotentialLeaders.peer_id", "read/rebuilt by the throttled leader search"),
+        ("PotentialLeaders.min_matchmaking_time", "read/rebuilt by the throttled leader search"),
+        ("PotentialLeaders.target_group_size", "read/rebuilt by the throttled leader search"),
+        ("PotentialLeaders.search_end_time", "deadline of the search loop"),
+        ("PotentialLeaders.max_assured_time", "updated by the search loop as hivemind does"),
+        ("PotentialLeaders.leader_queue", "filled by the search loop as hivemind does"),
+        ("PotentialLeaders.past_attempts", "leaders already tried, skipped by the search loop"),
+        ("PotentialLeaders.running", "search loop events, as hivemind's loop uses them"),
+        ("PotentialLeaders.update_triggered", "search loop events, as hivemind's loop uses them"),
+        ("PotentialLeaders.update_finished", "search loop events, as hivemind's loop uses them"),
+        ("Matchmaking.potential_leaders", "replaced by ThrottledPotentialLeaders"),
+    ], instance=True)
+    + _symbols("hivemind.averaging.averager", "matchmaking", [
+        ("DecentralizedAverager._matchmaking", "intercepted as hivemind assigns it, to swap in the throttled search"),
+    ], instance=True)
+    + _symbols("hivemind.utils.timed_storage", "matchmaking", [
+        ("MAX_DHT_TIME_DISCREPANCY_SECONDS", "the search loop's margin, as in hivemind"),
+    ])
+    + _symbols(_TRACKER, "tracker", [
+        ("ProgressTracker._parse_swarm_progress_data", "overridden: count our own samples from live progress"),
+    ])
+    + _symbols(_TRACKER, "tracker", [
+        ("ProgressTracker._local_public_key", "finds our own record among the swarm's progress records"),
+        ("ProgressTracker.should_report_progress", "replaced by an event that wakes the reporter at a bounded rate"),
+        ("ProgressTracker.shutdown_triggered", "set on shutdown, before the last report"),
+        ("ProgressTracker.global_state_updated", "set on shutdown to wake the fetcher"),
+        ("ProgressTracker.shutdown_complete", "awaited on shutdown"),
+        ("ProgressTracker.training_progress_key", "DHT key of the progress records (also for the monitor's revert)"),
+        ("ProgressTracker.metadata_expiration", "expiration of the 'left the run' record"),
+    ], instance=True)
+    + _symbols("hivemind.optim.grad_averager", "grad_averager", [
+        ("GradientAverager._grad_accumulators", "read to load the sample-weighted mean into the averager"),
+        ("GradientAverager.load_accumulators_into_averager_", "overridden: mean over samples, not local steps"),
+    ])
+    + _symbols("hivemind.optim.grad_averager", "grad_averager", [
+        ("GradientAverager._anchor_batch_size", "the batch size hivemind scales accumulated gradients by"),
+        ("GradientAverager.local_samples_accumulated", "samples in the accumulators"),
+    ], instance=True)
+    + _symbols("hivemind.optim.state_averager", "state", [
+        ("TrainingStateAverager._update_scheduler", "steps the LR schedule to a new epoch set by the monitor"),
+    ])
+    + _symbols("hivemind.compression.serialization", "codecs", [
+        ("_BASE_COMPRESSION_TYPES", "the decoder registry: numpy-2.4-safe 8-bit decoders are installed in it"),
+    ])
+)
+
+
+def _resolve(symbol: PrivateSymbol):
+    obj = importlib.import_module(symbol.module)
+    for part in symbol.name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _assigned_in_class(symbol: PrivateSymbol) -> bool:
+    """Whether a method of the class (or of a hivemind base class) assigns ``self.<attribute>``."""
+    owner_path, attribute = symbol.name.rsplit(".", 1)
+    owner = _resolve(PrivateSymbol(symbol.module, owner_path, "", ""))
+    assignment = re.compile(rf"^\s*(self\.\w+\s*,\s*)*self\.{attribute}\b\s*(,\s*self\.\w+\s*)*(:[^=]*)?=(?!=)", re.MULTILINE)
+    for cls in inspect.getmro(owner):
+        if cls.__module__.startswith("hivemind.") and assignment.search(inspect.getsource(cls)):
+            return True
+    return False
+
+
+def symbol_exists(symbol: PrivateSymbol) -> bool:
+    """Whether the installed hivemind still has ``symbol``."""
+    try:
+        if symbol.instance:
+            return _assigned_in_class(symbol)
+        _resolve(symbol)  # raises AttributeError if gone
+        return True
+    except (ImportError, AttributeError):
+        return False
+
+
+def missing_symbols() -> List[str]:
+    """Qualified names of the :data:`PRIVATE_SYMBOLS` the installed hivemind no longer has."""
+    return [symbol.qualified_name for symbol in PRIVATE_SYMBOLS if not symbol_exists(symbol)]
+
+
+def check_hivemind_version(installed: Optional[str] = None) -> str:
+    """Raise ImportError unless hivemind's version is in :data:`SUPPORTED_HIVEMIND`; return the version.
+
+    With the environment variable ``LIGHTNING_SWARM_IGNORE_HIVEMIND_VERSION=1`` an unsupported version only warns.
+
+    Args:
+        installed: the version to check; default: the installed hivemind's.
+    """
+    if installed is None:
+        try:
+            installed = version("hivemind")
+        except PackageNotFoundError as e:
+            raise ImportError("lightning_swarm needs hivemind: pip install 'hivemind==1.1.12'") from e
+    if Version(installed) in SUPPORTED_HIVEMIND:
+        return installed
+    message = (
+        f"lightning_swarm uses private parts of hivemind that were checked for hivemind{SUPPORTED_HIVEMIND_RANGE}, but "
+        f"hivemind {installed} is installed. Install a supported release (pip install 'hivemind==1.1.12'), or set "
+        f"{IGNORE_VERSION_ENV}=1 to try this one (then run tests/lightning_swarm/test_hivemind_ext.py, which names "
+        "the private symbols that moved)."
+    )
+    if os.environ.get(IGNORE_VERSION_ENV) == "1":
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        return installed
+    raise ImportError(message)
