@@ -6,7 +6,7 @@ and 4x projection matrices, small norm gains and biases).
 
 Codecs: none, float16, hivemind's Uniform8BitQuantization and BlockwiseQuantization (their own compress; their
 extract crashes under numpy >= 2.4, so their messages are decoded with the same math through the numpy-safe
-decoders that lightning_swarm.compression registers), our Blockwise8BitQuantization, hivemind's
+decoders that lightning_swarm.compression.register_fixed_codecs installs), our Blockwise8BitQuantization, hivemind's
 SizeAdaptiveCompression(2**16, Float16, Uniform8Bit) as the seed run configured it, and our default.
 
     python tests/benchmarks/bench_compression.py [--dim 256] [--vocab 16384] [--layers 4]
@@ -26,7 +26,7 @@ from hivemind.compression import (
     deserialize_torch_tensor,
 )
 
-from lightning_swarm.compression import Blockwise8BitQuantization, default_compression
+from lightning_swarm.compression import Blockwise8BitQuantization, default_compression, register_fixed_codecs
 
 
 def make_tensors(dim: int, vocab: int, layers: int) -> dict[str, dict[str, torch.Tensor]]:
@@ -91,6 +91,7 @@ def main() -> None:
         f"{len(sizes)} tensors, {sum(sizes) / 1e6:.2f}M values, {large / sum(sizes):.1%} of them in tensors "
         f">= 2**16 values (smallest {sizes[0]}, largest {sizes[-1]})"
     )
+    register_fixed_codecs()
     codecs = {
         "none (float32)": NoCompression(),
         "float16": Float16Compression(),
