@@ -55,7 +55,7 @@ def load_dalle(checkpoint: str | Path, device: str | torch.device = "cpu") -> Lo
                              f"(it writes runs/dalle_tiny/checkpoints/) or pass the swarm's checkpoint URL") from None
         module = saved.build_model(device)
         if not isinstance(module, DALLEModule):
-            raise ValueError(f"{saved.url} holds a {type(module).__name__}, not a DALL-E (recipes.dalle.module.DALLEModule)")
+            raise ValueError(f"{saved.url} holds a {type(module).__name__}, not a DALL-E (recipes.dalle.DALLEModule)")
     model = module.model.to(device).eval()
     codec = module.image_codec()
     if hasattr(codec, "to"):

@@ -1,18 +1,19 @@
 """lightning_swarm: collaborative training over the Internet for PyTorch Lightning, built on hivemind.
 
-Heavy imports (hivemind, lightning) happen on first use of an exported name.
+The names users write in YAML have short paths: ``lightning_swarm.HivemindStrategy``,
+``lightning_swarm.callbacks.SwarmCheckpoint``, ``lightning_swarm.optim.LAMB8bit``. Heavy imports (hivemind,
+lightning) happen on first use of an exported name.
 """
 
-__all__ = ["HivemindStrategy", "SwarmProgress"]
+from lightning_swarm.exports import lazy_exports
 
-
-def __getattr__(name):
-    if name == "HivemindStrategy":
-        from lightning_swarm.strategy import HivemindStrategy
-
-        return HivemindStrategy
-    if name == "SwarmProgress":
-        from lightning_swarm.callbacks.progress import SwarmProgress
-
-        return SwarmProgress
-    raise AttributeError(f"module 'lightning_swarm' has no attribute {name!r}")
+_EXPORTS = {
+    "HivemindStrategy": "lightning_swarm.strategy",
+    "SwarmCheckpoint": "lightning_swarm.checkpoint.callback",
+    "SwarmProgress": "lightning_swarm.callbacks.progress",
+    "LAMB8bit": "lightning_swarm.optim",
+    "default_compression": "lightning_swarm.compression",
+    "load_checkpoint": "lightning_swarm.checkpoint.checkpoint_io",
+}
+__all__ = list(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["LAMB8bit"]
+
 # state keys of the two moments; a quantized moment also has f"{key}_absmax"
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 

@@ -3,16 +3,11 @@
 Imported on first use (they pull in lightning and hivemind).
 """
 
-__all__ = ["SwarmCheckpoint", "SwarmProgress"]
+from lightning_swarm.exports import lazy_exports
 
-
-def __getattr__(name):
-    if name == "SwarmCheckpoint":
-        from lightning_swarm.checkpoint.callback import SwarmCheckpoint
-
-        return SwarmCheckpoint
-    if name == "SwarmProgress":
-        from lightning_swarm.callbacks.progress import SwarmProgress
-
-        return SwarmProgress
-    raise AttributeError(f"module 'lightning_swarm.callbacks' has no attribute {name!r}")
+_EXPORTS = {
+    "SwarmCheckpoint": "lightning_swarm.checkpoint.callback",
+    "SwarmProgress": "lightning_swarm.callbacks.progress",
+}
+__all__ = list(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
