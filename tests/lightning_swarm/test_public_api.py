@@ -45,7 +45,8 @@ def test_shipped_configs_use_short_class_paths(config):
 
 
 def test_importing_the_package_stays_light():
-    script = "import sys, lightning_swarm, lightning_swarm.callbacks; print('hivemind' in sys.modules, 'torch' in sys.modules)"
+    script = ("import sys, lightning_swarm, lightning_swarm.callbacks; "
+              "print('hivemind' in sys.modules, 'torch' in sys.modules)")
     output = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True,
                             cwd=REPO)
     assert output.stdout.split() == ["False", "False"]
