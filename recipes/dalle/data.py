@@ -3,16 +3,15 @@
 Rows have the schema of laion/laion_100m_vqgan_f8: `caption: str` and `code: bytes` (little-endian int16
 image codes of a row-major grid), plus optional metadata (`NSFW`, `original_width`, `original_height`).
 Nothing is downloaded as a whole: `datasets` streams the rows, a shuffle buffer mixes them (each peer with
-its own seed), and bad rows are skipped and counted instead of crashing a run that may last for weeks.
+its own seed), and bad rows and bad shards (corrupt, empty, not parquet: see `recipes.dalle.shards`) are
+skipped and counted instead of crashing a run that may last for weeks.
 """
 
 from __future__ import annotations
 
-import glob
 import itertools
 import logging
 import multiprocessing
-import os
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,19 +22,20 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, IterableDataset
 
 from recipes.dalle.rows import decode_code, encode_code, write_parquet_shard  # noqa: F401 (public API)
+from recipes.dalle.shards import BAD_SHARD_KEY, SHARD_SKIP_REASONS, ShardCheck, stream_shards
 from recipes.dalle.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 
-SHAPES_CACHE_DIR = Path("~/.cache/lightning_swarm/shapes-v1")
+SHAPES_CACHE_DIR = Path("~/.cache/lightning_swarm/shapes-v2")  # v2: shards carry page checksums
 SKIP_REASONS = ("caption", "nsfw", "aspect_ratio", "code_type", "code_bytes", "code_length", "code_range")
 
 
 class SkipCounters:
-    """Counts of skipped rows per reason, shared with DataLoader worker processes."""
+    """Counts of skipped rows (and shards, row groups) per reason, shared with DataLoader worker processes."""
 
     def __init__(self):
-        self._values = {reason: multiprocessing.Value("q", 0) for reason in SKIP_REASONS}
+        self._values = {reason: multiprocessing.Value("q", 0) for reason in SKIP_REASONS + SHARD_SKIP_REASONS}
 
     def add(self, reason: str) -> None:
         with self._values[reason].get_lock():
@@ -134,13 +134,19 @@ class CaptionCodeStream(IterableDataset):
         while True:
             if hasattr(self.rows, "set_epoch"):
                 self.rows.set_epoch(epoch)
-            kept, skipped = 0, {}
+            kept, skipped, shard_check = 0, {}, ShardCheck()
             for row in self.rows:
+                if shard_check.is_skip(row):
+                    reason = row[BAD_SHARD_KEY]
+                    log.warning(f"skipping {reason.replace('_', ' ')} {row['shard']}: {row['error']}")
+                    self.counters.add(reason)
+                    skipped[reason] = skipped.get(reason, 0) + 1
+                    continue
                 if self.held_out and (row.get("caption"), row.get("code")) in self.held_out:
                     continue
                 result = self.row_filter(row)
                 if isinstance(result, str):
-                    if not sum(self.counters.as_dict().values()):
+                    if not sum(self.counters.as_dict()[reason] for reason in SKIP_REASONS):
                         log.warning(f"skipping a bad row ({result}); further skips are counted in datamodule.skipped")
                     self.counters.add(result)
                     skipped[result] = skipped.get(result, 0) + 1
@@ -155,6 +161,7 @@ class CaptionCodeStream(IterableDataset):
                         return
             if skipped:
                 log.warning(f"pass {epoch} over the data kept {kept} rows and skipped {skipped}")
+            shard_check.raise_if_nothing_read()
             if not self.cycle:
                 if captions:
                     yield self._collate(captions, codes)
@@ -185,7 +192,7 @@ class DALLEDataModule(LightningDataModule):
             `train_split` (unshuffled, kept in memory), which training then leaves out.
         num_val_rows: validation rows taken from the training stream when no validation source is given.
         data_dir: where the embedded shapes dataset is written when no source is given, in a subfolder
-            per row count (default ~/.cache/lightning_swarm/shapes-v1).
+            per row count (default ~/.cache/lightning_swarm/shapes-v2).
         num_shapes_train: training rows of the embedded shapes dataset.
         num_shapes_val: validation rows of the embedded shapes dataset.
         text_seq_len: text ids per caption (CLIP BPE, 0-padded, cut captions end with end-of-text).
@@ -260,7 +267,8 @@ class DALLEDataModule(LightningDataModule):
 
     @property
     def skipped(self) -> dict[str, int]:
-        """Rows skipped so far, per reason (summed over DataLoader workers)."""
+        """Rows, shards and row groups skipped so far, per reason (summed over DataLoader workers; a bad shard
+        counts again on every pass over the data)."""
         return self.counters.as_dict()
 
     @property
@@ -316,7 +324,9 @@ class DALLEDataModule(LightningDataModule):
             # would then read the shards in the same order.
             if hp.num_val_rows < 1:
                 raise ValueError("no validation source: give val_files/val_split or num_val_rows >= 1")
-            val = list(itertools.islice(train, hp.num_val_rows))
+            shard_check = ShardCheck()  # training counts and logs the skipped shards; here they are dropped
+            val = list(itertools.islice((row for row in train if not shard_check.is_skip(row)), hp.num_val_rows))
+            shard_check.raise_if_nothing_read()
             self._held_out = frozenset((row.get("caption"), row.get("code")) for row in val)
         else:
             val = self._select_columns(val)
@@ -325,21 +335,10 @@ class DALLEDataModule(LightningDataModule):
         self._train_rows = train.shuffle(seed=self.seed, buffer_size=hp.shuffle_buffer, max_buffer_input_shards=1)
         self._val_rows = val
 
-    @staticmethod
-    def _load_parquet(files: str | list[str]):
-        import datasets
-
-        patterns = [files] if isinstance(files, str) else list(files)
-        resolved = []
-        for pattern in patterns:
-            if "://" in pattern:  # remote (fsspec) paths are resolved by datasets itself
-                resolved.append(pattern)
-                continue
-            matches = sorted(glob.glob(os.path.expanduser(pattern)))
-            if not matches:
-                raise ValueError(f"no parquet file matches {pattern!r}")
-            resolved.extend(matches)
-        return datasets.load_dataset("parquet", data_files={"rows": resolved}, split="rows", streaming=True)
+    def _load_parquet(self, files: str | list[str]):
+        """Rows of local or fsspec parquet shards; a bad shard is skipped, not fatal (see recipes.dalle.shards)."""
+        f = self.row_filter
+        return stream_shards(files, ("caption", "code", f.nsfw_column, f.width_column, f.height_column))
 
     def _select_columns(self, rows):
         """Decode only the columns the filters read (parquet reads columns separately)."""
@@ -368,4 +367,4 @@ class DALLEDataModule(LightningDataModule):
     def teardown(self, stage: str | None = None) -> None:
         skipped = {reason: count for reason, count in self.skipped.items() if count}
         if skipped:
-            log.warning(f"DALLEDataModule skipped rows: {skipped}")
+            log.warning(f"DALLEDataModule skipped rows, shards and row groups: {skipped}")

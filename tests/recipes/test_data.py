@@ -102,7 +102,8 @@ def test_skips_and_counts_corrupted_rows(tmp_path):
     assert sorted(_indices(datamodule.train_dataloader())) == list(range(3, 10))  # first 3 went to validation
     assert sorted(_indices(datamodule.val_dataloader())) == [0, 1, 2]
     assert datamodule.skipped == {"caption": 4, "nsfw": 0, "aspect_ratio": 0, "code_type": 1,
-                                  "code_bytes": 1, "code_length": 1, "code_range": 2}
+                                  "code_bytes": 1, "code_length": 1, "code_range": 2,
+                                  "unreadable_shard": 0, "empty_shard": 0, "corrupt_row_group": 0}
 
 
 def test_metadata_filters(tmp_path):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
+from parquet_damage import assert_pages_carry_checksums
 from recipes.dalle.data import DALLEDataModule
 from recipes.dalle.preprocess import main, preprocess
 from recipes.dalle.preprocess_sources import iter_folder, iter_hf_dataset, iter_tar_shards
@@ -93,6 +94,7 @@ def test_folder_to_shards_streams_back_row_for_row(tmp_path):
 
     streamed = stream_rows(str(out / "*.parquet"))
     assert sorted(streamed) == sorted((c, tuple(g)) for c, g in expected)
+    assert_pages_carry_checksums(shards[0])
 
 
 def test_interrupted_run_resumes_without_redoing_finished_shards(tmp_path):

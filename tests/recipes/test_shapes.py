@@ -3,6 +3,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from parquet_damage import assert_pages_carry_checksums
 from recipes.dalle.rows import decode_code
 from recipes.dalle.tokenizer import TextTokenizer
 from recipes.shapes import (
@@ -144,3 +145,4 @@ def test_written_shards_have_the_laion_schema(tmp_path):
     np.testing.assert_array_equal(decode_code(first["code"]).reshape(16, 16), codes)
     main(["--out", str(tmp_path / "cli"), "--num-train", "30", "--num-val", "10"])
     assert pq.read_table(tmp_path / "cli" / "validation-00000-of-00001.parquet").num_rows == 10
+    assert_pages_carry_checksums(written["train"][1])
