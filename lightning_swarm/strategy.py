@@ -332,35 +332,58 @@ class HivemindStrategy(SingleDeviceStrategy):
         if len(schedulers) > 1:
             raise ValueError(f"HivemindStrategy supports at most one LR scheduler, got {len(schedulers)}")
         user_scheduler = schedulers[0] if schedulers else None
-        if user_scheduler is not None and user_scheduler.optimizer is not optimizer:
-            raise ValueError("The LR scheduler must be built on the optimizer returned by configure_optimizers")
-        scheduler_factory = (lambda new_optimizer: rebind_scheduler(user_scheduler, new_optimizer)) if user_scheduler else None
-        if user_scheduler is not None:
-            rebind_scheduler(user_scheduler, optimizer)  # fail early (e.g. ReduceLROnPlateau) with a clear message
-
-        swarm_compression.register_fixed_codecs()  # before the averagers start: peers may send any 8-bit codec
-        compression = resolve_compression(self.compression)
-        self._optimizer = SwarmOptimizer(
-            dht=self._dht,
-            run_id=self.run_id,
-            target_batch_size=self.target_batch_size,
-            optimizer=_optimizer_factory(optimizer),
-            params=optimizer.param_groups,
-            scheduler=scheduler_factory,
-            use_local_updates=False,
-            # hivemind passes averager_opts to the state averager only; the gradient averager needs them too
-            grad_averager_factory=functools.partial(SwarmGradientAverager, **self._hivemind_kwargs["averager_opts"]),
-            client_mode=None,  # derived from the DHT, which knows whether we are in client mode
-            grad_compression=compression,
-            state_averaging_compression=compression,
-            load_state_compression=resolve_compression(self.load_state_compression),
-            **self._hivemind_kwargs,
-        )
+        self._optimizer = self.make_swarm_optimizer(optimizer, user_scheduler)
         self.optimizers = [self._optimizer]
         if user_scheduler is not None:
             self.lr_scheduler_configs[0].scheduler = GlobalEpochScheduler(
                 self._optimizer.state_averager.scheduler, self._optimizer
             )
+
+    def make_swarm_optimizer(
+        self, optimizer: torch.optim.Optimizer, scheduler: Optional[Any] = None, **overrides: Any
+    ) -> SwarmOptimizer:
+        """The swarm optimizer this strategy trains with, around ``optimizer`` (and its LR ``scheduler``).
+
+        Used by :meth:`setup` and by the monitor peer, so that every option of a recipe's strategy config means
+        the same for both. Starts the DHT if needed.
+
+        Args:
+            optimizer: the module's optimizer; it is re-created (same class and hyper-parameters) on its param groups.
+            scheduler: an LR scheduler built on ``optimizer`` (rebound to the swarm's optimizer), or None.
+            **overrides: hivemind.Optimizer arguments that replace this strategy's (the monitor sets
+                ``use_local_updates=True``, ``offload_optimizer=False``, ...).
+        """
+        if scheduler is not None and scheduler.optimizer is not optimizer:
+            raise ValueError("The LR scheduler must be built on the optimizer returned by configure_optimizers")
+        scheduler_factory = (lambda new_optimizer: rebind_scheduler(scheduler, new_optimizer)) if scheduler else None
+        if scheduler is not None:
+            rebind_scheduler(scheduler, optimizer)  # fail early (e.g. ReduceLROnPlateau) with a clear message
+
+        swarm_compression.register_fixed_codecs()  # before the averagers start: peers may send any 8-bit codec
+        compression = resolve_compression(self.compression)
+        kwargs = dict(
+            self._hivemind_kwargs,
+            use_local_updates=False,
+            client_mode=None,  # derived from the DHT, which knows whether we are in client mode
+            grad_compression=compression,
+            state_averaging_compression=compression,
+            load_state_compression=resolve_compression(self.load_state_compression),
+        )
+        kwargs.update(overrides)
+        # hivemind passes averager_opts to the state averager only; the gradient averager needs them too
+        # (with local updates there is no gradient averager, and hivemind refuses a factory for it)
+        grad_averager_factory = None if kwargs["use_local_updates"] else functools.partial(
+            SwarmGradientAverager, **kwargs["averager_opts"])
+        return SwarmOptimizer(
+            dht=self.start_dht(),
+            run_id=self.run_id,
+            target_batch_size=self.target_batch_size,
+            optimizer=_optimizer_factory(optimizer),
+            params=optimizer.param_groups,
+            scheduler=scheduler_factory,
+            grad_averager_factory=grad_averager_factory,
+            **kwargs,
+        )
 
     def on_train_start(self) -> None:
         """Join the swarm where it is: a late joiner (or a peer resumed from an old checkpoint) downloads the

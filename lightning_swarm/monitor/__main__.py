@@ -3,13 +3,15 @@
 Runs on a cheap machine without a GPU and computes no gradients. It is the swarm's stable initial peer (fixed
 identity and listen address), logs the swarm's loss, alive peers and throughput from the metrics every
 trainer publishes, writes a per-peer contribution table, and every N global epochs downloads the state from
-the trainers and saves/uploads it as a checkpoint.
+the trainers and saves/uploads it as a checkpoint. With ``--dashboard-port`` it serves a live dashboard (with
+``--sample-prompt``, it shows samples drawn from each new checkpoint too).
 
 Examples::
 
     # start the swarm's bootstrap peer + monitor; trainers pass the printed address as initial_peers
     python -m lightning_swarm.monitor --config configs/dalle_tiny.yaml --host_maddrs /ip4/0.0.0.0/tcp/31337 \\
-        --identity_path monitor.id --save_every_epochs 10 --upload_to hf://me/dalle-swarm
+        --identity_path monitor.id --save_every_epochs 10 --upload_to hf://me/dalle-swarm \\
+        --dashboard-port 8080 --sample-prompt "a small blue triangle" --sample-args "--clip-model checkpoints/clip_tiny"
 
     # moderators: revert the run to a checkpoint (running trainers reload it, later joiners load it);
     # restart the monitor with the same identity/address and, to find the running trainers at once,
@@ -21,14 +23,14 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
 import sys
 from typing import List, Optional
 
-from lightning_swarm.monitor.config import load_monitor_config
+from lightning_swarm.monitor.config import build_module, build_strategy, load_yaml, strategy_section
+from lightning_swarm.peers import split_peer_list
 
 logger = logging.getLogger("lightning_swarm.monitor")
 
@@ -73,6 +75,21 @@ def make_parser() -> argparse.ArgumentParser:
                    help="seconds to keep announcing the reverted epoch")
     p.add_argument("--load_state_timeout", type=float, default=None, help="default: from the config or 600")
     p.add_argument("--max_runtime", type=float, default=None, help="stop after this many seconds")
+    dash = p.add_argument_group("dashboard", "a live page with the swarm's figures, served by this process")
+    dash.add_argument("--dashboard-port", "--dashboard_port", dest="dashboard_port", type=int, default=None,
+                      help="serve the dashboard on this port (0: any free port; default: no dashboard)")
+    dash.add_argument("--dashboard-host", "--dashboard_host", dest="dashboard_host", default="0.0.0.0",
+                      help="address the dashboard listens on (127.0.0.1: this machine only)")
+    dash.add_argument("--dashboard-poll-seconds", "--dashboard_poll_seconds", dest="dashboard_poll_seconds",
+                      type=float, default=3.0, help="how often the page fetches new figures")
+    dash.add_argument("--sample-prompt", "--sample_prompt", dest="sample_prompts", action="append", default=None,
+                      help="a caption to draw from every new checkpoint (repeat for several); shown on the dashboard")
+    dash.add_argument("--sample-module", "--sample_module", dest="sample_module", default="inference.generate",
+                      help="module run as `python -m MODULE --checkpoint DIR --prompt P ... --out DIR [args]`, "
+                           "writing DIR/results.json and PNG grids")
+    dash.add_argument("--sample-args", "--sample_args", dest="sample_args", default="",
+                      help="more arguments for the sampling module, e.g. "
+                           "\"--clip-model checkpoints/clip_tiny --num-candidates 32 --keep 4\"")
     return p
 
 
@@ -90,45 +107,35 @@ def without_own_address(initial_peers: List[str], identity_path: Optional[str]) 
 def main(argv: Optional[List[str]] = None) -> None:
     args = make_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    module, swarm = load_monitor_config(args.config, args.model_class)
-    run_id = args.run_id or swarm.get("run_id")
-    target_batch_size = args.target_batch_size or swarm.get("target_batch_size")
-    if not run_id or not target_batch_size:
-        raise ValueError(
-            "The monitor needs the run id and target batch size: put a HivemindStrategy with run_id and "
-            "target_batch_size under trainer.strategy in the config, or pass --run_id/--target_batch_size"
-        )
-    initial_peers = args.initial_peers if args.initial_peers is not None else swarm.get("initial_peers") or []
-    if isinstance(initial_peers, str):
-        initial_peers = [p for p in initial_peers.replace(",", " ").split() if p]
-    initial_peers = without_own_address(initial_peers, args.identity_path)
+    config = load_yaml(args.config)
+    # the trainers usually list the monitor itself as their initial peer: drop our own address
+    initial_peers = split_peer_list(args.initial_peers if args.initial_peers is not None
+                                    else strategy_section(config)["init_args"].get("initial_peers"))
+    if args.identity_path:
+        os.makedirs(os.path.dirname(os.path.abspath(args.identity_path)), exist_ok=True)
+    strategy = build_strategy(
+        config,
+        run_id=args.run_id,
+        target_batch_size=args.target_batch_size,
+        initial_peers=without_own_address(initial_peers or [], args.identity_path),
+        host_maddrs=args.host_maddrs,
+        announce_maddrs=args.announce_maddrs,
+        identity_path=args.identity_path,
+        load_state_timeout=args.load_state_timeout,
+        client_mode=False,  # the monitor is the swarm's reachable bootstrap peer
+        publish_metrics=True,  # its DHT validates the trainers' signed metrics records
+        log_progress=False,
+    )
+    module = build_module(config, args.model_class)
+    run_id = strategy.run_id
 
     # heavy imports after the arguments are known to be fine
     from lightning_swarm.checkpoint.saver import CheckpointSaver
     from lightning_swarm.monitor.peer import MonitorPeer
     from lightning_swarm.monitor.runner import Monitor, build_loggers
 
-    if args.identity_path:
-        os.makedirs(os.path.dirname(os.path.abspath(args.identity_path)), exist_ok=True)
-    peer = MonitorPeer(
-        module,
-        run_id=run_id,
-        target_batch_size=int(target_batch_size),
-        initial_peers=initial_peers,
-        host_maddrs=args.host_maddrs,
-        announce_maddrs=args.announce_maddrs,
-        identity_path=args.identity_path,
-        load_state_timeout=args.load_state_timeout or swarm.get("load_state_timeout", 600.0),
-        averager_opts=swarm.get("averager_opts"),
-        tracker_opts=swarm.get("tracker_opts"),
-    )
-    addresses = peer.addresses
-    print(
-        f"[lightning_swarm.monitor] run {run_id!r}: monitor peer is up. Trainers join with\n"
-        f"    --trainer.strategy.init_args.initial_peers='{json.dumps(addresses)}'\n"
-        + "".join(f"MONITOR_ADDRESS {address}\n" for address in addresses),
-        flush=True,
-    )
+    peer = MonitorPeer(module, strategy)  # prints the swarm's join message (lightning_swarm.peers)
+    print("".join(f"MONITOR_ADDRESS {address}\n" for address in peer.addresses), end="", flush=True)
     saver = None
     if not args.no_checkpoints:
         saver = CheckpointSaver(
@@ -140,6 +147,22 @@ def main(argv: Optional[List[str]] = None) -> None:
         )
     loggers = build_loggers([n.strip() for n in args.loggers.split(",") if n.strip()], args.log_dir, run_id,
                             args.wandb_project)
+    dashboard = server = sampler = None
+    if args.dashboard_port is not None:
+        from lightning_swarm.monitor.dashboard import DashboardServer, DashboardState
+
+        dashboard = DashboardState(run_id)
+        server = DashboardServer(dashboard, args.dashboard_host, args.dashboard_port,
+                                 args.dashboard_poll_seconds).start()
+        print(f"DASHBOARD {server.url}", flush=True)
+    if args.sample_prompts:
+        if saver is None:
+            raise ValueError("--sample-prompt draws from the monitor's checkpoints: remove --no_checkpoints")
+        from lightning_swarm.monitor.samples import SampleRunner
+
+        sampler = SampleRunner(args.sample_prompts, os.path.join(args.log_dir, "samples"),
+                               on_samples=dashboard.set_samples if dashboard else lambda samples: None,
+                               module=args.sample_module, extra_args=args.sample_args)
     monitor = Monitor(
         peer,
         loggers,
@@ -148,6 +171,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         save_every_epochs=args.save_every_epochs,
         refresh_period=args.refresh_period,
         revert_window=args.revert_window,
+        dashboard=dashboard,
+        sampler=sampler,
     )
     signal.signal(signal.SIGTERM, lambda *_: monitor.stop_event.set())
     try:
@@ -159,6 +184,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         pass
     finally:
         monitor.shutdown()
+        if server is not None:
+            server.stop()
 
 
 if __name__ == "__main__":

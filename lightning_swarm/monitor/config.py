@@ -7,11 +7,14 @@ same optimizer) and joins the same run. The ``data`` section is ignored: the mon
 from __future__ import annotations
 
 import importlib
-from typing import Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 import jsonargparse
 import lightning.pytorch as pl
 import yaml
+
+if TYPE_CHECKING:
+    from lightning_swarm.strategy import HivemindStrategy
 
 
 def import_object(dotted: str) -> Any:
@@ -57,23 +60,45 @@ def build_module(config: Dict[str, Any], model_class: Optional[str] = None) -> p
     return parser.instantiate_classes(parsed)["model"]
 
 
-# strategy arguments the monitor reuses (the rest are about training and don't concern it)
-SWARM_KEYS = ("run_id", "target_batch_size", "initial_peers", "compression", "matchmaking_time",
-              "averaging_timeout", "load_state_timeout", "averager_opts", "tracker_opts")
-
-
-def strategy_settings(config: Dict[str, Any]) -> Dict[str, Any]:
-    """The HivemindStrategy init args found under ``trainer.strategy`` (empty if the config has none)."""
+def strategy_section(config: Dict[str, Any]) -> Dict[str, Any]:
+    """``trainer.strategy`` as ``{"class_path": ..., "init_args": {...}}`` (empty init args if there is none)."""
     strategy = (config.get("trainer") or {}).get("strategy")
-    if strategy is None or isinstance(strategy, str):
-        return {}
+    if strategy is None or isinstance(strategy, str):  # no swarm strategy, or a bare name such as "auto"
+        return {"class_path": "lightning_swarm.HivemindStrategy", "init_args": {}}
     if not isinstance(strategy, dict):
         raise ValueError(f"trainer.strategy must be a mapping with class_path/init_args, got {strategy!r}")
-    init_args = strategy.get("init_args", strategy if "class_path" not in strategy else {})
-    return {key: init_args[key] for key in SWARM_KEYS if key in init_args}
+    if "class_path" not in strategy:
+        return {"class_path": "lightning_swarm.HivemindStrategy", "init_args": dict(strategy)}
+    return {"class_path": strategy["class_path"], "init_args": dict(strategy.get("init_args") or {})}
 
 
-def load_monitor_config(path: str, model_class: Optional[str] = None) -> Tuple[pl.LightningModule, Dict[str, Any]]:
-    """(the LightningModule, the swarm settings) from the trainers' YAML at ``path``."""
+def build_strategy(config: Dict[str, Any], **overrides: Any) -> "HivemindStrategy":
+    """The trainers' HivemindStrategy from ``config['trainer']['strategy']``, parsed and checked like LightningCLI
+    does, with ``overrides`` (the monitor's own address, identity, ...) replacing its init args.
+
+    The monitor builds its swarm optimizer through this strategy, so every strategy option means the same for it.
+    """
+    from lightning_swarm.strategy import HivemindStrategy
+
+    section = strategy_section(config)
+    section["init_args"].update({k: v for k, v in overrides.items() if v is not None})
+    if not section["init_args"].get("run_id") or not section["init_args"].get("target_batch_size"):
+        raise ValueError(
+            "The monitor needs the run id and target batch size: put a HivemindStrategy with run_id and "
+            "target_batch_size under trainer.strategy in the config, or pass --run_id/--target_batch_size"
+        )
+    parser = jsonargparse.ArgumentParser(exit_on_error=False)
+    parser.add_subclass_arguments(HivemindStrategy, "strategy", fail_untyped=False)
+    try:
+        parsed = parser.parse_object({"strategy": section})
+    except jsonargparse.ArgumentError as e:
+        raise ValueError(f"trainer.strategy: {e}") from None
+    return parser.instantiate_classes(parsed)["strategy"]
+
+
+def load_monitor_config(
+    path: str, model_class: Optional[str] = None, **strategy_overrides: Any
+) -> Tuple[pl.LightningModule, "HivemindStrategy"]:
+    """(the LightningModule, the trainers' HivemindStrategy with ``strategy_overrides``) from the YAML at ``path``."""
     config = load_yaml(path)
-    return build_module(config, model_class), strategy_settings(config)
+    return build_module(config, model_class), build_strategy(config, **strategy_overrides)

@@ -1,8 +1,8 @@
 """The monitor's presence in the swarm: a DHT node with a fixed identity and a hivemind.Optimizer that never
 steps, used only to download the swarm's state (for checkpoints) and to serve a reverted state.
 
-It computes no gradients. Like the trainers it wraps the module's own optimizer (and LR scheduler) in
-``hivemind.Optimizer`` under the same ``run_id``, so the state trainers send has the same layout here.
+It computes no gradients. It wraps the module's own optimizer (and LR scheduler) with the trainers' own
+strategy code under the same ``run_id``, so the state trainers send has the same layout here.
 
 Revert (moderators, after an attack or a divergence): :meth:`MonitorPeer.revert_to` loads a checkpoint and
 serves it as the newest state of the run: its epoch is set past the swarm's (so every trainer sees itself
@@ -12,12 +12,10 @@ which hivemind peers use to choose whom to download from. Trainers that reload c
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
-import hivemind
 import torch
 from hivemind.compression import NoCompression
 from hivemind.dht.crypto import RSASignatureValidator
@@ -27,21 +25,13 @@ from lightning.pytorch.core.optimizer import _configure_optimizers, _configure_s
 
 from lightning_swarm import metrics as swarm_metrics
 from lightning_swarm.checkpoint.checkpoint_io import read_checkpoint
-from lightning_swarm.compression import register_fixed_codecs
 from lightning_swarm.hivemind_ext.state import progress_key, set_local_epoch
+from lightning_swarm.strategy import HivemindStrategy
 
 logger = logging.getLogger(__name__)
 
 # how long a revert's progress record lives in the DHT unless refreshed
 REVERT_RECORD_EXPIRATION = 30.0
-
-
-def _optimizer_factory(optimizer: torch.optim.Optimizer):
-    """Re-create the module's optimizer (same class and hyper-parameters) on the param groups hivemind passes."""
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    any_kwarg = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-    defaults = {k: v for k, v in optimizer.defaults.items() if any_kwarg or k in accepted}
-    return lambda param_groups: type(optimizer)(param_groups, **defaults)
 
 
 def configure_optimizer(module: torch.nn.Module):
@@ -55,65 +45,38 @@ def configure_optimizer(module: torch.nn.Module):
     return optimizers[0], (configs[0].scheduler if configs else None)
 
 
+# the monitor never steps: no gradient averager, no background optimizer step, the state is loaded into the
+# module's own parameters, and a reverted state is served exactly
+MONITOR_OPTIMIZER_OVERRIDES = dict(
+    use_local_updates=True,
+    offload_optimizer=False,
+    delay_optimizer_step=False,
+    delay_grad_averaging=False,
+    reuse_grad_buffers=False,
+    load_state_compression=NoCompression(),
+)
+
+
 class MonitorPeer:
-    """Joins the run's DHT and holds a never-stepping hivemind.Optimizer for state download/serving.
+    """Joins the run's DHT and holds a never-stepping swarm optimizer for state download/serving.
+
+    Both come from the trainers' own :class:`~lightning_swarm.strategy.HivemindStrategy` (built from their
+    config, see :func:`lightning_swarm.monitor.config.build_strategy`): the DHT of ``strategy.start_dht()`` and
+    the optimizer of ``strategy.make_swarm_optimizer()``, so every strategy option (compression, averager and
+    tracker options, timeouts) means for the monitor what it means for a trainer.
 
     Args:
         module: the model, built from the trainers' config (its parameters receive the downloaded state).
-        run_id: the run's id (the trainers' ``HivemindStrategy(run_id=...)``).
-        target_batch_size: the run's target batch size (as the trainers have it).
-        initial_peers: peers to join; empty when the monitor starts the swarm (the usual case).
-        host_maddrs: addresses to listen on, e.g. ``["/ip4/0.0.0.0/tcp/31337"]`` (a fixed port).
-        announce_maddrs: public addresses to announce (behind NAT/port forwarding).
-        identity_path: private key file that fixes the peer id (created if missing).
-        load_state_timeout: seconds to wait for a peer to send the state.
-        averager_opts / tracker_opts: passed to hivemind.Optimizer like the trainers do.
+        strategy: the trainers' strategy with the monitor's own addresses/identity (``client_mode=False``,
+            ``publish_metrics=True``, so that its DHT validates the trainers' signed metrics).
     """
 
-    def __init__(
-        self,
-        module: torch.nn.Module,
-        run_id: str,
-        target_batch_size: int,
-        initial_peers: Sequence[str] = (),
-        host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/31337",),
-        announce_maddrs: Optional[Sequence[str]] = None,
-        identity_path: Optional[str] = None,
-        load_state_timeout: float = 600.0,
-        averager_opts: Optional[Dict[str, Any]] = None,
-        tracker_opts: Optional[Dict[str, Any]] = None,
-    ):
-        self.module, self.run_id, self.target_batch_size = module, run_id, target_batch_size
-        dht_kwargs = dict(announce_maddrs=list(announce_maddrs)) if announce_maddrs else {}
-        self.dht = hivemind.DHT(
-            initial_peers=list(initial_peers) or None,
-            host_maddrs=list(host_maddrs),
-            identity_path=identity_path,
-            record_validators=swarm_metrics.make_validators(run_id),
-            start=True,
-            **dht_kwargs,
-        )
+    def __init__(self, module: torch.nn.Module, strategy: HivemindStrategy):
+        self.module, self.strategy = module, strategy
+        self.run_id, self.target_batch_size = strategy.run_id, strategy.target_batch_size
+        self.dht = strategy.start_dht()
         optimizer, scheduler = configure_optimizer(module)
-        register_fixed_codecs()  # before the averagers start, as on the trainers
-        scheduler_factory = None
-        if scheduler is not None:
-            from lightning_swarm.scheduler import rebind_scheduler  # same LR-schedule handling as the trainers
-
-            scheduler_factory = lambda new_optimizer: rebind_scheduler(scheduler, new_optimizer)  # noqa: E731
-        self.optimizer = hivemind.Optimizer(
-            dht=self.dht,
-            run_id=run_id,
-            target_batch_size=target_batch_size,
-            optimizer=_optimizer_factory(optimizer),
-            params=optimizer.param_groups,
-            scheduler=scheduler_factory,
-            use_local_updates=True,  # no gradient averager: this peer never contributes gradients
-            offload_optimizer=False,  # the module's parameters are the ones the state is loaded into
-            load_state_timeout=load_state_timeout,
-            load_state_compression=NoCompression(),  # a reverted state is served exactly
-            averager_opts=averager_opts,
-            tracker_opts=tracker_opts,
-        )
+        self.optimizer = strategy.make_swarm_optimizer(optimizer, scheduler, **MONITOR_OPTIMIZER_OVERRIDES)
         # the monitor's state lags behind the trainers': only offer it when reverting
         self.optimizer.state_averager.allow_state_sharing = False
         self.reverted_epoch: Optional[int] = None
@@ -138,6 +101,20 @@ class MonitorPeer:
     def swarm_epoch(self) -> int:
         """The run's global epoch as the progress tracker last saw it."""
         return int(self.optimizer.tracker.global_epoch)
+
+    def lr_schedule(self, epoch: int) -> Optional[Dict[str, Any]]:
+        """The LR schedule at the swarm's global ``epoch``: ``lr`` (first param group), ``peak_lr`` and ``length``
+        (global epochs of warm-up + decay from the module's ``total_steps`` or ``warmup_steps`` + ``decay_steps``
+        hyper-parameters, None if it has neither). None without a LambdaLR-style scheduler (``lr_lambdas``)."""
+        scheduler = self.optimizer.state_averager.scheduler
+        if scheduler is None or not getattr(scheduler, "lr_lambdas", None):
+            return None
+        peak = float(scheduler.base_lrs[0])
+        hparams = dict(getattr(self.module, "hparams", None) or {})
+        length = hparams.get("total_steps")
+        if length is None and hparams.get("decay_steps") is not None:
+            length = int(hparams.get("warmup_steps") or 0) + int(hparams["decay_steps"])
+        return dict(lr=peak * float(scheduler.lr_lambdas[0](epoch)), peak_lr=peak, length=length)
 
     # ------------------------------------------------------------------ state
 

@@ -1,4 +1,5 @@
-"""The monitor's main loop: read the trainers' metrics, log the swarm's figures, checkpoint every N epochs."""
+"""The monitor's main loop: read the trainers' metrics, log the swarm's figures (and feed the dashboard),
+checkpoint every N epochs (and sample from each checkpoint)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from lightning.pytorch.loggers import CSVLogger, Logger
 
 from lightning_swarm.checkpoint.saver import CheckpointSaver
 from lightning_swarm.monitor.aggregate import ContributionTable, SwarmSnapshot, aggregate
+from lightning_swarm.monitor.dashboard import DashboardState
 from lightning_swarm.monitor.peer import MonitorPeer
+from lightning_swarm.monitor.samples import SampleRunner
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +70,8 @@ class Monitor:
         save_every_epochs: global epochs between two checkpoints.
         refresh_period: seconds between two reads of the metrics.
         revert_window: after a revert, keep announcing the reverted epoch for this many seconds.
+        dashboard: receives every refresh's figures (served by :class:`~.dashboard.DashboardServer`).
+        sampler: draws samples from every new checkpoint (for the dashboard).
     """
 
     def __init__(
@@ -78,11 +83,14 @@ class Monitor:
         save_every_epochs: int = 10,
         refresh_period: float = 30.0,
         revert_window: float = 300.0,
+        dashboard: Optional[DashboardState] = None,
+        sampler: Optional[SampleRunner] = None,
     ):
         if save_every_epochs < 1:
             raise ValueError(f"save_every_epochs must be >= 1, got {save_every_epochs}")
         self.peer, self.loggers, self.log_dir, self.saver = peer, loggers, log_dir, saver
         self.save_every_epochs, self.refresh_period, self.revert_window = save_every_epochs, refresh_period, revert_window
+        self.dashboard, self.sampler = dashboard, sampler
         self.contributions = ContributionTable()
         self.last_snapshot: Optional[SwarmSnapshot] = None
         self.last_saved_epoch = peer.epoch
@@ -114,6 +122,8 @@ class Monitor:
         self._newest_record_time = newest
         self.last_snapshot = snapshot
         self._log(snapshot)
+        if self.dashboard is not None:
+            self.dashboard.record(snapshot, self.contributions.sorted_rows(), self.peer.lr_schedule(snapshot.step))
         if self.saver is not None and snapshot.step >= self.last_saved_epoch + self.save_every_epochs:
             self.save_checkpoint()
         return snapshot
@@ -151,6 +161,8 @@ class Monitor:
             ),
         )
         self.last_saved_epoch = epoch
+        if self.sampler is not None:
+            self.sampler.submit(path, epoch)
         return path
 
     def run(self, max_runtime: Optional[float] = None) -> None:
@@ -166,6 +178,8 @@ class Monitor:
     def shutdown(self, upload_timeout: float = 60.0) -> None:
         for pl_logger in self.loggers:
             pl_logger.finalize("success")
+        if self.sampler is not None:
+            self.sampler.close()
         if self.saver is not None:
             self.saver.close(timeout=upload_timeout)
         self.peer.shutdown()

@@ -19,7 +19,8 @@ from ckpt_tiny_module import TinyRegressor
 from lightning_swarm.checkpoint.checkpoint_io import read_checkpoint
 from lightning_swarm.metrics import LocalMetrics
 from lightning_swarm.monitor.aggregate import ContributionTable, aggregate, peer_name
-from lightning_swarm.monitor.config import build_module, load_monitor_config, strategy_settings
+from lightning_swarm.monitor.config import build_module, build_strategy, load_monitor_config
+from lightning_swarm.strategy import HivemindStrategy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -58,24 +59,67 @@ def test_contribution_table_counts_samples_and_time_without_gaps(tmp_path):
     assert json.loads((tmp_path / "contributions.json").read_text())[1]["samples"] == 12
 
 
-def test_config_builds_the_trainers_module(tmp_path):
+def test_config_builds_the_trainers_module_and_strategy(tmp_path):
     config = {
         "model": {"class_path": "ckpt_tiny_module.TinyRegressor", "init_args": {"dim": 6, "hidden": 10}},
         "trainer": {"strategy": {"class_path": "lightning_swarm.HivemindStrategy",
-                                 "init_args": {"run_id": "r1", "target_batch_size": 64, "compression": "none"}}},
+                                 "init_args": {"run_id": "r1", "target_batch_size": 64, "compression": "none",
+                                               "initial_peers": "[]"}}},
         "data": {"whatever": 1},
     }
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(config))
-    module, swarm = load_monitor_config(str(path))
+    module, strategy = load_monitor_config(str(path), target_batch_size=32, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     assert isinstance(module, TinyRegressor) and module.embed.weight.shape == (10, 6)
-    assert swarm == {"run_id": "r1", "target_batch_size": 64, "compression": "none"}
+    assert isinstance(strategy, HivemindStrategy)
+    assert (strategy.run_id, strategy.target_batch_size, strategy.compression) == ("r1", 32, "none")
+    assert strategy.initial_peers == [] and strategy.host_maddrs == ["/ip4/127.0.0.1/tcp/0"]
+    # the strategy's own checks apply to the monitor too
+    with pytest.raises(ValueError, match="averaging_timeout"):
+        build_strategy(config, matchmaking_time=100.0)
+    with pytest.raises(ValueError, match="run id and target batch size"):
+        build_strategy({"trainer": {}}, run_id="r")
+    assert build_strategy({"trainer": {}}, run_id="r", target_batch_size=8).run_id == "r"
     # recipes whose CLI fixes the model class have no class_path: --model_class names it
     module = build_module({"model": {"dim": 4}}, model_class="ckpt_tiny_module.TinyRegressor")
     assert module.embed.weight.shape == (16, 4)
     with pytest.raises(ValueError, match="--model_class"):
         build_module({"model": {"dim": 4}})
-    assert strategy_settings({"trainer": {}}) == {}
+
+
+@pytest.mark.timeout(120)
+def test_monitor_runs_on_the_trainers_stack_with_every_strategy_option(tmp_path):
+    """A config with the strategy's own averager/tracker keys: the monitor's swarm optimizer is the trainers'."""
+    code = """
+import sys, yaml
+from lightning_swarm.monitor.config import load_monitor_config
+from lightning_swarm.monitor.peer import MonitorPeer
+from lightning_swarm.swarm_optimizer import SwarmOptimizer
+module, strategy = load_monitor_config(sys.argv[1], host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[])
+peer = MonitorPeer(module, strategy)
+try:
+    opt = peer.optimizer
+    assert isinstance(opt, SwarmOptimizer) and opt.grad_averager is None  # never steps: no gradient averager
+    print("FOUND", opt.tracker.min_report_interval, opt.state_averager.leader_poll_interval,
+          opt.state_averager.scheduler is not None, len(peer.addresses) > 0, flush=True)
+finally:
+    peer.shutdown()
+"""
+    config = {
+        "model": {"class_path": "ckpt_tiny_module.TinyRegressor"},
+        "trainer": {"strategy": {"class_path": "lightning_swarm.HivemindStrategy", "init_args": {
+            "run_id": "opts_test", "target_batch_size": 16, "matchmaking_time": 1.0, "averaging_timeout": 5.0,
+            "averager_opts": {"leader_poll_interval": 0.25}, "tracker_opts": {"min_report_interval": 0.75},
+            "delay_optimizer_step": True, "offload_optimizer": True}}},
+    }
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(config))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "cfg.yaml")], env=env, cwd=str(tmp_path),
+                            capture_output=True, text=True, timeout=100)
+    found = [line for line in result.stdout.splitlines() if line.startswith("FOUND")]
+    assert result.returncode == 0 and found, result.stderr[-3000:]
+    assert found[0].split()[1:] == ["0.75", "0.25", "True", "True"]
+    assert "To join this swarm" in result.stdout  # the join message of lightning_swarm.peers
 
 
 def test_cli_needs_run_settings_and_builds_loggers(tmp_path):
