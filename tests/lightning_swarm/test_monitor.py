@@ -94,7 +94,7 @@ def test_monitor_runs_on_the_trainers_stack_with_every_strategy_option(tmp_path)
 import sys, yaml
 from lightning_swarm.monitor.config import load_monitor_config
 from lightning_swarm.monitor.peer import MonitorPeer
-from lightning_swarm.swarm_optimizer import SwarmOptimizer
+from lightning_swarm.hivemind_ext.optimizer import SwarmOptimizer
 module, strategy = load_monitor_config(sys.argv[1], host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[])
 peer = MonitorPeer(module, strategy)
 try:
