@@ -311,8 +311,12 @@ class HivemindStrategy(SingleDeviceStrategy):
                 "HivemindStrategy accumulates gradients up to target_batch_size itself: "
                 f"remove accumulate_grad_batches={trainer.accumulate_grad_batches} from the Trainer"
             )
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError("HivemindStrategy does not support fp16 loss scaling: use precision='bf16-mixed' or 32")
+        if self._grad_scaler is not None and self.reuse_grad_buffers:
+            raise ValueError(
+                "fp16 loss scaling (precision='16-mixed') can't be combined with reuse_grad_buffers=True: the "
+                "gradients would have to stay scaled over the whole accumulation (hivemind's own GradScaler, which "
+                "Lightning's step does not drive). Use reuse_grad_buffers=False, or precision='bf16-mixed'/'32-true'"
+            )
         if len(self.optimizers) != 1:
             raise ValueError(f"HivemindStrategy needs exactly one optimizer, configure_optimizers gave {len(self.optimizers)}")
         self.start_dht()
@@ -414,17 +418,37 @@ class HivemindStrategy(SingleDeviceStrategy):
         else:
             self._current_batch_size = extract_batch_size(batch)
 
+    @property
+    def _grad_scaler(self) -> Optional[torch.amp.GradScaler]:
+        """The fp16 loss scaler of Lightning's precision plugin (precision='16-mixed'), None otherwise."""
+        return getattr(self.precision_plugin, "scaler", None)
+
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        if self._optimizer is not None:
-            if self._current_batch_size is None:
-                raise ValueError("HivemindStrategy could not tell the batch size: define swarm_batch_size(batch)")
-            kwargs.setdefault("batch_size", self._current_batch_size)
-        loss = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._optimizer is not None:
-            self.stats.record_step(kwargs["batch_size"], loss, self.global_epoch, self.target_batch_size)
-            if self.publish_metrics and self.stats.due(self.metrics_interval):
-                self._publish_metrics()
-        return loss
+        """One local step. Under fp16 loss scaling Lightning's precision plugin unscales the gradients before
+        ``hivemind.Optimizer.step`` adds them to the accumulators, and skips that call when they overflowed: such a
+        batch is never accumulated nor sent, on whichever peer it happens, and the averaged gradients stay finite."""
+        if self._optimizer is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._current_batch_size is None:
+            raise ValueError("HivemindStrategy could not tell the batch size: define swarm_batch_size(batch)")
+        kwargs.setdefault("batch_size", self._current_batch_size)
+        losses: List[Any] = []
+
+        def closure_keeping_loss() -> Any:  # the fp16 path calls the closure itself and hivemind returns no loss
+            losses.append(closure())
+            return losses[-1]
+
+        scaler = self._grad_scaler
+        scale_before = scaler.get_scale() if scaler is not None else None
+        step_output = super().optimizer_step(optimizer, closure_keeping_loss, model, **kwargs)
+        loss = losses[-1] if losses else step_output
+        skipped = scaler is not None and scaler.get_scale() < scale_before  # the scale only drops on an overflow
+        if skipped:
+            log.info(f"[lightning_swarm] fp16 gradients overflowed: batch skipped, loss scale now {scaler.get_scale():g}")
+        self.stats.record_step(0 if skipped else kwargs["batch_size"], loss, self.global_epoch, self.target_batch_size)
+        if self.publish_metrics and self.stats.due(self.metrics_interval):
+            self._publish_metrics()
+        return step_output
 
     def _publish_metrics(self) -> None:
         record = self.stats.make_record(self.global_epoch, self._optimizer.tracker.performance_ema.samples_per_second)

@@ -68,10 +68,12 @@ class TinyRegression(pl.LightningModule):
     share_samples: if > 0, only the first `share_samples` samples count towards the swarm (later steps report
         batch size 0), so tests can control exactly what each peer contributes.
     step_delay: seconds to sleep in each training step (to emulate a slower peer).
+    overflow_at_batches: batch indices whose loss is multiplied by 1e8, so that its fp16 gradients overflow.
     """
 
     def __init__(self, in_dim: int = 8, hidden: int = 32, lr: float = 0.1, lr_decay: float = 0.5,
-                 momentum: float = 0.0, seed: int = 0, share_samples: int = 0, step_delay: float = 0.0):
+                 momentum: float = 0.0, seed: int = 0, share_samples: int = 0, step_delay: float = 0.0,
+                 overflow_at_batches: tuple[int, ...] = ()):
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(seed)
@@ -84,6 +86,8 @@ class TinyRegression(pl.LightningModule):
             time.sleep(self.hparams.step_delay)
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.log("train/loss", loss, prog_bar=True)
+        if batch_idx in self.hparams.overflow_at_batches:
+            loss = loss * 1e8  # x the loss scale: far beyond float16's 65504 in the backward pass
         return loss
 
     def swarm_batch_size(self, batch: Any) -> int:
@@ -115,6 +119,12 @@ class RegressionData(pl.LightningDataModule):
         x, y = make_regression_data(h.offset + h.num_samples, h.in_dim, h.seed)
         dataset = TensorDataset(x[h.offset:], y[h.offset:])
         return DataLoader(dataset, batch_size=h.batch_size, shuffle=False)
+
+
+def loss_scale(trainer: pl.Trainer) -> dict:
+    """{"loss_scale": the fp16 GradScaler's scale} under precision 16-mixed, else {}."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return {"loss_scale": scaler.get_scale()} if scaler is not None else {}
 
 
 class SwarmRecorder(pl.Callback):
@@ -157,7 +167,7 @@ class SwarmRecorder(pl.Callback):
                 kind=kind, epoch=epoch, lr=strategy.optimizer.param_groups[0]["lr"], peers=strategy.num_peers,
                 local_step=trainer.global_step, samples=strategy.stats.samples_contributed,
                 local_sps=strategy.local_samples_per_second, swarm_sps=strategy.stats.swarm_samples_per_second,
-                time=time.time(), pid=os.getpid(),
+                time=time.time(), pid=os.getpid(), **loss_scale(trainer),
             )
         if not trainer.should_stop and (epoch >= self.stop_at_epoch or time.perf_counter() - self._start > self.max_seconds):
             trainer.should_stop = True
@@ -204,7 +214,7 @@ class SwarmRecorder(pl.Callback):
         self._write_event(kind="end", epoch=strategy.global_epoch, local_step=trainer.global_step,
                           metrics_steps=sorted(record.step for record in published.values()),
                           elapsed=time.perf_counter() - self._start, samples=strategy.stats.samples_contributed,
-                          time=time.time(), pid=os.getpid(), **cpu_seconds())
+                          time=time.time(), pid=os.getpid(), **cpu_seconds(), **loss_scale(trainer))
 
 
 if __name__ == "__main__":

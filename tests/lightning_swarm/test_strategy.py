@@ -138,3 +138,18 @@ def test_metrics_are_signed_schema_checked_and_fetched():
         assert fetch_metrics(dht, "another_run") == {}
     finally:
         dht.shutdown()
+
+
+def test_fp16_loss_scaling_with_reused_grad_buffers_is_a_clear_error(tmp_path):
+    """Lightning's GradScaler unscales .grad every local step: with reuse_grad_buffers the accumulated sum would be
+    unscaled again and again, so the combination is refused before the peer starts (fp16 alone is supported)."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    trainer = Trainer(strategy=HivemindStrategy(run_id="run", target_batch_size=8, reuse_grad_buffers=True),
+                      plugins=[MixedPrecision("16-mixed", "cpu")], accelerator="cpu", max_steps=1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match="reuse_grad_buffers"):
+        trainer.fit(BoringModel())
+    assert trainer.strategy.dht is None  # refused before joining anything

@@ -188,3 +188,61 @@ def test_overlapped_peers_preschedule_state_averaging(tmp_path, peers):
         assert peer.max_epoch() >= 4, peer.events()
         assert "Pre-scheduling state averaging round" in peer.log(), peer.log()[-3000:]
     assert_close_params(first.params(4), second.params(4), atol=1e-2)
+
+
+FP16_PLUGIN = {"plugins": [{
+    "class_path": "lightning.pytorch.plugins.precision.MixedPrecision",
+    # Lightning turns precision="16-mixed" on a CPU into bf16: fp16 autocast + loss scaling needs the plugin itself.
+    # A small initial scale, so that the forced overflows are the only ones (hence the exact scales below)
+    "init_args": {"precision": "16-mixed", "device": "cpu",
+                  "scaler": {"class_path": "torch.amp.GradScaler", "init_args": {"device": "cpu", "init_scale": 1024}}},
+}]}
+
+
+def all_finite(params) -> bool:
+    return all(torch.isfinite(tensor).all() for tensor in params.values())
+
+
+def test_fp16_swarm_skips_overflowing_batches_on_every_peer(tmp_path, peers):
+    """Two peers in fp16 mixed precision with loss scaling (CPU autocast): the first peer's gradients overflow at
+    two batches, the second's at one. Each overflowing batch is dropped by its own peer before it reaches the
+    accumulators, so no NaN/inf reaches anyone's parameters, both peers keep the same parameters at every global
+    epoch, and each peer's loss scale halved once per overflow of its own."""
+    recorder = {"stop_at_epoch": 3, "max_seconds": 90, "barrier_dir": str(tmp_path / "barrier"), "barrier_count": 2}
+    strategy = dict(compression="none")
+    first = Peer(tmp_path, "first", strategy_args("fp16", 32, **strategy), trainer=FP16_PLUGIN,
+                 model={"step_delay": 0.02, "overflow_at_batches": [2, 7]}, data={"batch_size": 4}, recorder=recorder)
+    peers.append(first)
+    second = Peer(tmp_path, "second", strategy_args("fp16", 32, initial_peers=first.join_peers(), **strategy),
+                  trainer=FP16_PLUGIN, model={"step_delay": 0.02, "overflow_at_batches": [4]},
+                  data={"batch_size": 4, "offset": 50_000}, recorder=recorder)
+    peers.append(second)
+    for peer in (first, second):
+        peer.wait(timeout=150)
+
+    for peer, overflows in ((first, 2), (second, 1)):
+        assert peer.max_epoch() >= 3, peer.events()
+        assert peer.events()[-1]["loss_scale"] == 1024 * 0.5**overflows, peer.events()[-1]
+        for epoch in range(peer.max_epoch() + 1):
+            assert all_finite(peer.params(epoch)), (peer.name, epoch)
+    for epoch in (1, 2, 3):
+        assert_close_params(first.params(epoch), second.params(epoch), atol=1e-6)
+    assert not torch.allclose(first.params(0)["net.0.weight"], first.params(3)["net.0.weight"])  # it trained
+
+
+def test_fp16_loss_scale_survives_resume(tmp_path, peers):
+    """The loss scale is part of a Lightning checkpoint: a run resumed from it continues with the lowered scale."""
+    ckpt = tmp_path / "fp16.ckpt"
+    strategy = strategy_args("fp16_resume", 16, compression="none")
+    first = Peer(tmp_path, "before", strategy, trainer=FP16_PLUGIN, model={"overflow_at_batches": [1, 3, 5]},
+                 data={"batch_size": 4}, recorder={"stop_at_epoch": 2, "checkpoint_at_stop": str(ckpt)})
+    peers.append(first)
+    first.wait(timeout=90)
+    assert first.events()[-1]["loss_scale"] == 128.0
+    resumed = Peer(tmp_path, "after", strategy, trainer=FP16_PLUGIN, model={}, data={"batch_size": 4},
+                   recorder={"stop_at_epoch": 3}, extra_args=["--ckpt_path", str(ckpt)])
+    peers.append(resumed)
+    resumed.wait(timeout=90)
+    start = resumed.events()[0]
+    assert start["kind"] == "start" and start["epoch"] == 2 and start["loss_scale"] == 128.0, start
+    assert all_finite(resumed.params(3))
