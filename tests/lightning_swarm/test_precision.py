@@ -91,15 +91,10 @@ def test_tiny_config_resolves_to_fp32_on_a_cpu_without_native_bf16(monkeypatch, 
 
 
 def test_auto_works_from_the_command_line_of_the_clip_recipe(monkeypatch, tmp_path):
-    from lightning.pytorch.cli import LightningCLI
-
-    from recipes.cli import RecipeTrainer
-    from recipes.clip.data import ShapesCLIPDataModule
-    from recipes.clip.module import CLIPModule
+    from recipes.cli import main
 
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    cli = LightningCLI(CLIPModule, ShapesCLIPDataModule, trainer_class=RecipeTrainer, run=False,
-                       args=["--config", "configs/clip_tiny.yaml", "--trainer.precision", "auto",
-                             "--trainer.default_root_dir", str(tmp_path)])
+    cli = main(["--config", "configs/clip_tiny.yaml", "--trainer.precision", "32-true",
+                "--trainer.precision", "auto", "--trainer.default_root_dir", str(tmp_path)], run=False)
     assert cli.trainer.precision == "32-true"
