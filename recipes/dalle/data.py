@@ -299,8 +299,6 @@ class DALLEDataModule(LightningDataModule):
         done.touch()
 
     def setup(self, stage: str | None = None) -> None:
-        import datasets
-
         hp = self.hparams
         if self.uses_shapes:
             self.prepare_data()  # no-op when done; covers setups that skip prepare_data
@@ -312,10 +310,8 @@ class DALLEDataModule(LightningDataModule):
             train = self._load_parquet(train_files)
             val = self._load_parquet(val_files) if val_files is not None else None
         else:
-            train = datasets.load_dataset(hp.dataset_name, hp.dataset_config, split=hp.train_split, streaming=True)
-            val = None
-            if hp.val_split is not None:
-                val = datasets.load_dataset(hp.dataset_name, hp.dataset_config, split=hp.val_split, streaming=True)
+            train = self._load_named(hp.train_split)
+            val = self._load_named(hp.val_split) if hp.val_split is not None else None
         train = self._select_columns(train)
         self._held_out = frozenset()
         if val is None:
@@ -339,6 +335,19 @@ class DALLEDataModule(LightningDataModule):
         """Rows of local or fsspec parquet shards; a bad shard is skipped, not fatal (see recipes.dalle.shards)."""
         f = self.row_filter
         return stream_shards(files, ("caption", "code", f.nsfw_column, f.width_column, f.height_column))
+
+    def _load_named(self, split: str):
+        """A split of `dataset_name`: a parquet dataset (e.g. laion/laion_100m_vqgan_f8, or a local folder of
+        shards) streams its files through `_load_parquet`, so bad shards are skipped; other formats
+        stream with their `datasets` builder."""
+        import datasets
+
+        hp = self.hparams
+        builder = datasets.load_dataset_builder(hp.dataset_name, hp.dataset_config)
+        data_files = getattr(builder.config, "data_files", None)
+        if builder.name == "parquet" and data_files and split in data_files:
+            return self._load_parquet(list(data_files[split]))
+        return datasets.load_dataset(hp.dataset_name, hp.dataset_config, split=split, streaming=True)
 
     def _select_columns(self, rows):
         """Decode only the columns the filters read (parquet reads columns separately)."""

@@ -51,7 +51,9 @@ def resolve_shards(files: str | list[str]) -> list[str]:
     patterns = [files] if isinstance(files, str) else list(files)
     resolved = []
     for pattern in patterns:
-        if "://" in pattern:
+        if "://" in pattern and not any(char in pattern for char in "*?["):
+            matches = [pattern]  # a remote file named outright: no listing request per file
+        elif "://" in pattern:
             import fsspec
 
             fs, path = fsspec.core.url_to_fs(pattern)

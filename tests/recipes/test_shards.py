@@ -97,3 +97,29 @@ def test_a_stream_whose_every_shard_is_bad_is_a_clear_error(tmp_path):
         next(iter(datamodule.train_dataloader()))
     problems = list(read_shard(str(tmp_path / "train-no-code.parquet"), ("caption", "code")))
     assert problems[0][BAD_SHARD_KEY] == "unreadable_shard" and "no column ['code']" in problems[0]["error"]
+
+
+def test_a_bad_shard_in_a_dataset_folder_given_by_name_is_skipped(tmp_path):
+    write_parquet_shard(tmp_path / "train-00000-of-00002.parquet", _rows(0, 12))
+    (tmp_path / "train-00001-of-00002.parquet").write_bytes(b"PAR1 truncated")
+    datamodule = DALLEDataModule(dataset_name=str(tmp_path), num_val_rows=4, image_grid_size=GRID,
+                                 codebook_size=CODEBOOK, text_seq_len=8, batch_size=4, seed=0, cycle=False)
+    datamodule.setup("fit")
+    assert sum(len(batch["caption"]) for batch in datamodule.train_dataloader()) == 8
+    assert datamodule.skipped["unreadable_shard"] == 1
+
+
+def test_remote_shards_by_url_and_glob(tmp_path):
+    import fsspec
+
+    write_parquet_shard(tmp_path / "good.parquet", _rows(0, 12))
+    fs, root = fsspec.filesystem("memory"), f"/shards-{id(tmp_path)}"
+    fs.pipe_file(f"{root}/train-0.parquet", (tmp_path / "good.parquet").read_bytes())
+    fs.pipe_file(f"{root}/train-1.parquet", b"")
+    for files in (f"memory://{root}/train-*.parquet", [f"memory://{root}/train-0.parquet",
+                                                       f"memory://{root}/train-1.parquet"]):
+        datamodule = DALLEDataModule(train_files=files, num_val_rows=4, image_grid_size=GRID, codebook_size=CODEBOOK,
+                                     text_seq_len=8, batch_size=4, seed=0, cycle=False)
+        datamodule.setup("fit")
+        assert sum(len(batch["caption"]) for batch in datamodule.train_dataloader()) == 8
+        assert datamodule.skipped["empty_shard"] == 1
