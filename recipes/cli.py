@@ -30,7 +30,8 @@ def main(args: list[str] | None = None, run: bool = True) -> LightningCLI:
 
     Args:
         args: command-line arguments (None: sys.argv).
-        run: run the subcommand; False only parses and instantiates (used by tools that need the model).
+        run: run the subcommand; False only parses and instantiates (Trainer, model, data: tests look at them).
+            Tools that only read a config use :func:`lightning_swarm.recipe_config.read_recipe_config`.
     """
     torch.set_float32_matmul_precision("high")
     return LightningCLI(

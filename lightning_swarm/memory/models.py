@@ -12,7 +12,6 @@ submodules may define it.
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
 from dataclasses import dataclass, replace
@@ -22,6 +21,7 @@ import torch
 from torch import nn
 
 from lightning_swarm.memory.inputs import ModelShape, ParameterInventory
+from lightning_swarm.recipe_config import read_recipe_config
 
 
 @dataclass(frozen=True)
@@ -158,54 +158,13 @@ def module_shape(module: nn.Module) -> ModelShape | None:
     return None
 
 
-def _import_class(class_path: str) -> type:
-    module_name, _, class_name = class_path.rpartition(".")
-    if not module_name:
-        raise ValueError(f"class_path {class_path!r} must be a dotted path like 'package.module.Class'")
-    try:
-        return getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"cannot import {class_path!r}: {err}") from err
-
-
-def instantiate_model_config(model_config: dict, model_class: str | None = None) -> nn.Module:
-    """Instantiate a LightningCLI ``model`` entry with jsonargparse (nested class_paths, dataclasses...).
-
-    Call it under ``torch.device("meta")`` to allocate nothing.
-    """
-    from jsonargparse import ArgumentParser
-
-    if "class_path" in model_config:
-        cls = _import_class(model_config["class_path"])
-        init_args = model_config.get("init_args") or {}
-    elif model_class is not None:
-        cls = _import_class(model_class)
-        init_args = model_config
-    else:
-        raise ValueError(
-            "the config's `model` entry has no class_path; pass --model-class package.module.ClassName "
-            "(the class LightningCLI is given in code)"
-        )
-    parser = ArgumentParser(exit_on_error=False)
-    parser.add_class_arguments(cls, "model")
-    config = parser.parse_object({"model": init_args})
-    return parser.instantiate_classes(config).model
-
-
 def from_config(path: str | Path, model_class: str | None = None) -> ModelSource:
     """Count a LightningCLI YAML config's model exactly on the meta device."""
-    import yaml
-
-    path = Path(path)
-    config = yaml.safe_load(path.read_text())
-    if not isinstance(config, dict) or "model" not in config:
-        raise ValueError(f"{path} has no `model` entry; expected LightningCLI YAML with `model: {{class_path: ...}}`")
-    model_config = config["model"]
-    if isinstance(model_config, str):
-        model_config = {"class_path": model_config}
+    config = read_recipe_config(path, model_class)
     with torch.device("meta"):
-        module = instantiate_model_config(model_config, model_class)
+        module = config.build_model()
     shared, unshared = count_module(module)
+    path = Path(path)
     return ModelSource(f"{path.name} ({type(module).__name__})", shared, unshared, module_shape(module),
                        f"counted exactly from {path} on the meta device")
 
@@ -226,8 +185,6 @@ def resolve(spec: str, model_class: str | None = None, unique_layers: int | None
     if numel is not None:
         return raw_count(numel, shape)
     if Path(spec).suffix in (".yaml", ".yml") or Path(spec).is_file():
-        if not Path(spec).is_file():
-            raise ValueError(f"config file {spec} does not exist")
         return from_config(spec, model_class)
     raise ValueError(
         f"{spec!r} is not a published model ({', '.join(sorted(PUBLISHED_MODELS))}), "

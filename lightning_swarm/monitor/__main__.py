@@ -9,15 +9,15 @@ the trainers and saves/uploads it as a checkpoint. With ``--dashboard-port`` it 
 Examples::
 
     # start the swarm's bootstrap peer + monitor; trainers pass the printed address as initial_peers
-    python -m lightning_swarm.monitor --config configs/dalle_tiny.yaml --host_maddrs /ip4/0.0.0.0/tcp/31337 \\
-        --identity_path monitor.id --save_every_epochs 10 --upload_to hf://me/dalle-swarm \\
+    python -m lightning_swarm.monitor --config configs/dalle_tiny.yaml --host-maddrs /ip4/0.0.0.0/tcp/31337 \\
+        --identity-path monitor.id --save-every-epochs 10 --upload-to hf://me/dalle-swarm \\
         --dashboard-port 8080 --sample-prompt "a small blue triangle" --sample-args "--clip-model checkpoints/clip_tiny"
 
     # moderators: revert the run to a checkpoint (running trainers reload it, later joiners load it);
     # restart the monitor with the same identity/address and, to find the running trainers at once,
     # the address of one of them
-    python -m lightning_swarm.monitor --config configs/dalle_tiny.yaml --identity_path monitor.id \\
-        --host_maddrs /ip4/0.0.0.0/tcp/31337 --initial_peers /ip4/.../p2p/<a trainer> --revert_to hf://me/dalle-swarm
+    python -m lightning_swarm.monitor --config configs/dalle_tiny.yaml --identity-path monitor.id \\
+        --host-maddrs /ip4/0.0.0.0/tcp/31337 --initial-peers /ip4/.../p2p/<a trainer> --revert-to hf://me/dalle-swarm
 """
 
 from __future__ import annotations
@@ -29,65 +29,67 @@ import signal
 import sys
 from typing import List, Optional
 
-from lightning_swarm.monitor.config import build_module, build_strategy, load_yaml, strategy_section
+from lightning_swarm.cli_flags import KebabCaseArgumentParser
+from lightning_swarm.monitor.config import build_strategy, strategy_section
 from lightning_swarm.peers import split_peer_list
+from lightning_swarm.recipe_config import build_model, load_yaml
 
 logger = logging.getLogger("lightning_swarm.monitor")
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = KebabCaseArgumentParser(
         prog="python -m lightning_swarm.monitor",
         description="Auxiliary peer: stable bootstrap address, swarm metrics, periodic checkpoints.",
     )
     p.add_argument("--config", required=True, help="the trainers' LightningCLI YAML (model + trainer.strategy)")
-    p.add_argument("--model_class", default=None,
+    p.add_argument("--model-class", default=None,
                    help="LightningModule class when the YAML's model section has no class_path")
-    p.add_argument("--run_id", default=None, help="run id (default: trainer.strategy.init_args.run_id)")
-    p.add_argument("--target_batch_size", type=int, default=None, help="default: from the config's strategy")
-    p.add_argument("--initial_peers", nargs="*", default=None,
+    p.add_argument("--run-id", default=None, help="run id (default: trainer.strategy.init_args.run_id)")
+    p.add_argument("--target-batch-size", type=int, default=None, help="default: from the config's strategy")
+    p.add_argument("--initial-peers", nargs="*", default=None,
                    help="peers to join (default: none, the monitor starts the swarm)")
-    p.add_argument("--host_maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/31337"],
+    p.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/31337"],
                    help="listen addresses; a fixed port makes the bootstrap address stable")
-    p.add_argument("--announce_maddrs", nargs="*", default=None, help="public addresses to announce")
-    p.add_argument("--identity_path", default="monitor.id",
+    p.add_argument("--announce-maddrs", nargs="*", default=None, help="public addresses to announce")
+    p.add_argument("--identity-path", default="monitor.id",
                    help="private key file fixing the peer id (created if missing)")
-    p.add_argument("--log_dir", default="monitor_logs", help="metrics, contribution table, snapshots")
+    p.add_argument("--log-dir", default="monitor_logs", help="metrics, contribution table, snapshots")
     p.add_argument("--loggers", default="auto",
                    help="comma-separated: csv, tensorboard, wandb; auto = csv + tensorboard if installed "
-                        "+ wandb if --wandb_project is given")
-    p.add_argument("--wandb_project", default=None, help="W&B project to log to")
-    p.add_argument("--refresh_period", type=float, default=30.0, help="seconds between two metrics reads")
-    p.add_argument("--save_every_epochs", type=int, default=10, help="global epochs between checkpoints")
-    p.add_argument("--checkpoint_dir", default="monitor_checkpoints", help="local checkpoint directory")
-    p.add_argument("--keep_last", type=int, default=3, help="local checkpoints to keep")
-    p.add_argument("--upload_to", default=None, help="hf://owner/name or any fsspec URL (s3://, a path...)")
-    p.add_argument("--upload_backoff_seconds", type=float, default=30.0, help="first retry delay of an upload")
-    p.add_argument("--no_checkpoints", action="store_true", help="only log metrics")
-    p.add_argument("--revert_to", default=None, help="checkpoint URL to revert the swarm to at start")
-    p.add_argument("--revert_discovery_seconds", type=float, default=30.0,
+                        "+ wandb if --wandb-project is given")
+    p.add_argument("--wandb-project", default=None, help="W&B project to log to")
+    p.add_argument("--refresh-period", type=float, default=30.0, help="seconds between two metrics reads")
+    p.add_argument("--save-every-epochs", type=int, default=10, help="global epochs between checkpoints")
+    p.add_argument("--checkpoint-dir", default="monitor_checkpoints", help="local checkpoint directory")
+    p.add_argument("--keep-last", type=int, default=3, help="local checkpoints to keep")
+    p.add_argument("--upload-to", default=None, help="hf://owner/name or any fsspec URL (s3://, a path...)")
+    p.add_argument("--upload-backoff-seconds", type=float, default=30.0, help="first retry delay of an upload")
+    p.add_argument("--no-checkpoints", action="store_true", help="only log metrics")
+    p.add_argument("--revert-to", default=None, help="checkpoint URL to revert the swarm to at start")
+    p.add_argument("--revert-discovery-seconds", type=float, default=30.0,
                    help="before reverting, wait up to this long for the running trainers' metrics to learn the "
-                        "swarm's epoch (pass --initial_peers of a live trainer to find them at once)")
-    p.add_argument("--revert_epoch_margin", type=int, default=5,
+                        "swarm's epoch (pass --initial-peers of a live trainer to find them at once)")
+    p.add_argument("--revert-epoch-margin", type=int, default=5,
                    help="announce the reverted state this many epochs past the swarm's newest epoch, so that "
                         "running trainers (which reload when 2+ epochs behind) all reload it")
-    p.add_argument("--revert_window", type=float, default=300.0,
+    p.add_argument("--revert-window", type=float, default=300.0,
                    help="seconds to keep announcing the reverted epoch")
-    p.add_argument("--load_state_timeout", type=float, default=None, help="default: from the config or 600")
-    p.add_argument("--max_runtime", type=float, default=None, help="stop after this many seconds")
+    p.add_argument("--load-state-timeout", type=float, default=None, help="default: from the config or 600")
+    p.add_argument("--max-runtime", type=float, default=None, help="stop after this many seconds")
     dash = p.add_argument_group("dashboard", "a live page with the swarm's figures, served by this process")
-    dash.add_argument("--dashboard-port", "--dashboard_port", dest="dashboard_port", type=int, default=None,
+    dash.add_argument("--dashboard-port", dest="dashboard_port", type=int, default=None,
                       help="serve the dashboard on this port (0: any free port; default: no dashboard)")
-    dash.add_argument("--dashboard-host", "--dashboard_host", dest="dashboard_host", default="0.0.0.0",
+    dash.add_argument("--dashboard-host", dest="dashboard_host", default="0.0.0.0",
                       help="address the dashboard listens on (127.0.0.1: this machine only)")
-    dash.add_argument("--dashboard-poll-seconds", "--dashboard_poll_seconds", dest="dashboard_poll_seconds",
+    dash.add_argument("--dashboard-poll-seconds", dest="dashboard_poll_seconds",
                       type=float, default=3.0, help="how often the page fetches new figures")
-    dash.add_argument("--sample-prompt", "--sample_prompt", dest="sample_prompts", action="append", default=None,
+    dash.add_argument("--sample-prompt", dest="sample_prompts", action="append", default=None,
                       help="a caption to draw from every new checkpoint (repeat for several); shown on the dashboard")
-    dash.add_argument("--sample-module", "--sample_module", dest="sample_module", default="inference.generate",
+    dash.add_argument("--sample-module", dest="sample_module", default="inference.generate",
                       help="module run as `python -m MODULE --checkpoint DIR --prompt P ... --out DIR [args]`, "
                            "writing DIR/results.json and PNG grids")
-    dash.add_argument("--sample-args", "--sample_args", dest="sample_args", default="",
+    dash.add_argument("--sample-args", dest="sample_args", default="",
                       help="more arguments for the sampling module, e.g. "
                            "\"--clip-model checkpoints/clip_tiny --num-candidates 32 --keep 4\"")
     return p
@@ -126,7 +128,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         publish_metrics=True,  # its DHT validates the trainers' signed metrics records
         log_progress=False,
     )
-    module = build_module(config, args.model_class)
+    module = build_model(config, args.model_class)
     run_id = strategy.run_id
 
     # heavy imports after the arguments are known to be fine
@@ -157,7 +159,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(f"DASHBOARD {server.url}", flush=True)
     if args.sample_prompts:
         if saver is None:
-            raise ValueError("--sample-prompt draws from the monitor's checkpoints: remove --no_checkpoints")
+            raise ValueError("--sample-prompt draws from the monitor's checkpoints: remove --no-checkpoints")
         from lightning_swarm.monitor.samples import SampleRunner
 
         sampler = SampleRunner(args.sample_prompts, os.path.join(args.log_dir, "samples"),

@@ -47,7 +47,7 @@ def build_loggers(names: List[str], log_dir: str, run_id: str, wandb_project: Op
             loggers.append(TensorBoardLogger(log_dir, name="monitor", version=run_id))
         elif name == "wandb":
             if not wandb_project:
-                raise ValueError("The wandb logger needs --wandb_project NAME")
+                raise ValueError("The wandb logger needs --wandb-project NAME")
             from lightning.pytorch.loggers import WandbLogger
 
             loggers.append(WandbLogger(project=wandb_project, name=f"{run_id}-monitor", save_dir=log_dir))

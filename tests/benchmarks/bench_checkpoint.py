@@ -28,7 +28,7 @@ def dir_size(path: str) -> int:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default="configs/dalle_tiny.yaml")
-    parser.add_argument("--model_class", default=None)
+    parser.add_argument("--model-class", default=None)
     args = parser.parse_args()
 
     module, _ = load_monitor_config(args.config, args.model_class)

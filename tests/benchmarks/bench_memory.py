@@ -24,7 +24,7 @@ CHILD = textwrap.dedent('''
     import gc, json, os, resource, sys
     import torch
     import yaml
-    from lightning_swarm.memory.models import instantiate_model_config
+    from lightning_swarm.recipe_config import instantiate_model_config
 
     config_path, batch_size, reversible = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
     torch.set_num_threads(2)

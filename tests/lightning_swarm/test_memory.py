@@ -21,7 +21,7 @@ from lightning_swarm.memory import (
     named_model,
 )
 from lightning_swarm.memory.estimate import layer_activation_bytes_per_token, optimizer_state_bytes
-from lightning_swarm.memory.models import instantiate_model_config
+from lightning_swarm.recipe_config import instantiate_model_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -89,11 +89,14 @@ def test_config_counts_equal_instantiated_module(tiny_config):
 def _names_model_class(config):
     import yaml
 
+    from lightning_swarm.recipe_config import import_class
+
     model = yaml.safe_load(config.read_text()).get("model")
-    return isinstance(model, dict) and "class_path" in model
+    return (isinstance(model, dict) and "class_path" in model
+            and hasattr(import_class(model["class_path"]), "memory_profile"))
 
 
-# recipe configs that name their model class (the calculator reads those without --model-class)
+# recipe configs that name a model class with a transformer shape (memory_profile; the CLIP has two towers)
 REPO_CONFIGS = [c for c in sorted((REPO / "configs").glob("*.yaml")) if _names_model_class(c)]
 
 

@@ -19,7 +19,8 @@ from ckpt_tiny_module import TinyRegressor
 from lightning_swarm.checkpoint.checkpoint_io import read_checkpoint
 from lightning_swarm.metrics import LocalMetrics
 from lightning_swarm.monitor.aggregate import ContributionTable, aggregate, peer_name
-from lightning_swarm.monitor.config import build_module, build_strategy, load_monitor_config
+from lightning_swarm.monitor.config import build_strategy, load_monitor_config
+from lightning_swarm.recipe_config import build_model
 from lightning_swarm.strategy import HivemindStrategy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -80,11 +81,11 @@ def test_config_builds_the_trainers_module_and_strategy(tmp_path):
     with pytest.raises(ValueError, match="run id and target batch size"):
         build_strategy({"trainer": {}}, run_id="r")
     assert build_strategy({"trainer": {}}, run_id="r", target_batch_size=8).run_id == "r"
-    # recipes whose CLI fixes the model class have no class_path: --model_class names it
-    module = build_module({"model": {"dim": 4}}, model_class="ckpt_tiny_module.TinyRegressor")
+    # recipes whose CLI fixes the model class have no class_path: --model-class names it
+    module = build_model({"model": {"dim": 4}}, model_class="ckpt_tiny_module.TinyRegressor")
     assert module.embed.weight.shape == (16, 4)
-    with pytest.raises(ValueError, match="--model_class"):
-        build_module({"model": {"dim": 4}})
+    with pytest.raises(ValueError, match="--model-class"):
+        build_model({"model": {"dim": 4}})
 
 
 @pytest.mark.timeout(120)
@@ -133,7 +134,7 @@ def test_cli_needs_run_settings_and_builds_loggers(tmp_path):
     loggers = build_loggers(["auto"], str(tmp_path), "r")
     expected = ["CSVLogger"] + (["TensorBoardLogger"] if tensorboard_available() else [])
     assert [type(logger).__name__ for logger in loggers] == expected
-    with pytest.raises(ValueError, match="wandb_project"):
+    with pytest.raises(ValueError, match="wandb-project"):
         build_loggers(["wandb"], str(tmp_path), "r")
     with pytest.raises(ValueError, match="Unknown logger"):
         build_loggers(["mlflowish"], str(tmp_path), "r")
