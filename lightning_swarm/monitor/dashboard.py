@@ -1,7 +1,7 @@
 """The monitor's live dashboard: a page that updates itself with the swarm's loss, peers, throughput, epoch and LR
 schedule, the contributors leaderboard and the newest CLIP-reranked samples.
 
-``python -m lightning_swarm.monitor --config ... --dashboard_port 8080`` serves it at ``http://HOST:8080/``.
+``python -m lightning_swarm.monitor --config ... --dashboard-port 8080`` serves it at ``http://HOST:8080/``.
 It works without Internet: the page and plotly.js (the file bundled in the ``plotly`` wheel) are served by this
 process with aiohttp, on a thread of its own next to the monitor's refresh loop. The page polls ``/api/state``
 (JSON) every few seconds and redraws.
