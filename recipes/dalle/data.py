@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from recipes.dalle.rows import decode_code, encode_code, write_parquet_shard  # noqa: F401 (public API)
 from recipes.dalle.shards import BAD_SHARD_KEY, SHARD_SKIP_REASONS, ShardCheck, stream_shards
@@ -28,6 +28,8 @@ from recipes.dalle.tokenizer import TextTokenizer
 log = logging.getLogger(__name__)
 
 SHAPES_CACHE_DIR = Path("~/.cache/lightning_swarm/shapes-v2")  # v2: shards carry page checksums
+# a DataLoader worker gives up after this many passes in a row over its share of the shards kept no row
+MAX_EMPTY_PASSES_PER_WORKER = 20
 SKIP_REASONS = ("caption", "nsfw", "aspect_ratio", "code_type", "code_bytes", "code_length", "code_range")
 
 
@@ -129,8 +131,16 @@ class CaptionCodeStream(IterableDataset):
             "caption": captions,
         }
 
+    @staticmethod
+    def _one_of_several_workers() -> bool:
+        """In one of several DataLoader workers, a pass covers only this worker's share of the shards, which
+        `datasets` deals out anew each pass: a share with nothing usable does not mean the data has none
+        (DALLEDataModule.setup checked that the whole stream has a readable shard)."""
+        worker = get_worker_info()
+        return worker is not None and worker.num_workers > 1
+
     def __iter__(self) -> Iterator[dict]:
-        captions, codes, num_batches, epoch = [], [], 0, 0
+        captions, codes, num_batches, epoch, empty_passes = [], [], 0, 0, 0
         while True:
             if hasattr(self.rows, "set_epoch"):
                 self.rows.set_epoch(epoch)
@@ -161,12 +171,19 @@ class CaptionCodeStream(IterableDataset):
                         return
             if skipped:
                 log.warning(f"pass {epoch} over the data kept {kept} rows and skipped {skipped}")
-            shard_check.raise_if_nothing_read()
+            in_a_worker = self._one_of_several_workers()
+            if not in_a_worker:
+                shard_check.raise_if_nothing_read()
             if not self.cycle:
                 if captions:
                     yield self._collate(captions, codes)
                 return
-            if kept == 0:
+            empty_passes = empty_passes + 1 if kept == 0 else 0
+            if empty_passes and in_a_worker and empty_passes < MAX_EMPTY_PASSES_PER_WORKER:
+                log.warning(f"pass {epoch} over this DataLoader worker's share of the shards kept no row; "
+                            "going on with the next pass (the shards are dealt out anew)")
+            elif empty_passes:
+                shard_check.raise_if_nothing_read()
                 raise ValueError(f"a whole pass over the training data yielded no usable row (skipped: {skipped}); "
                                  "check image_grid_size, codebook_size, the caption/code columns, and that "
                                  "the data has more rows than num_val_rows (taken for validation)")
@@ -314,18 +331,22 @@ class DALLEDataModule(LightningDataModule):
             val = self._load_named(hp.val_split) if hp.val_split is not None else None
         train = self._select_columns(train)
         self._held_out = frozenset()
+        # bad shards are dropped here (training counts and logs them) and a stream without one readable shard
+        # is refused now, before DataLoader workers split the shards among themselves
+        shard_check = ShardCheck()
+        good_rows = (row for row in train if not shard_check.is_skip(row))
         if val is None:
             # The first rows of the (unshuffled) stream validate; training excludes them by content. Not
             # train.skip(n): with skip, datasets stops shuffling the shard order, and every peer of a swarm
             # would then read the shards in the same order.
             if hp.num_val_rows < 1:
                 raise ValueError("no validation source: give val_files/val_split or num_val_rows >= 1")
-            shard_check = ShardCheck()  # training counts and logs the skipped shards; here they are dropped
-            val = list(itertools.islice((row for row in train if not shard_check.is_skip(row)), hp.num_val_rows))
-            shard_check.raise_if_nothing_read()
+            val = list(itertools.islice(good_rows, hp.num_val_rows))
             self._held_out = frozenset((row.get("caption"), row.get("code")) for row in val)
         else:
+            next(good_rows, None)
             val = self._select_columns(val)
+        shard_check.raise_if_nothing_read()
         # max_buffer_input_shards=1: datasets 5.x fills the buffer from several shards through a thread pool
         # whose shutdown can deadlock when Lightning restarts the stream; shard order is still shuffled.
         self._train_rows = train.shuffle(seed=self.seed, buffer_size=hp.shuffle_buffer, max_buffer_input_shards=1)

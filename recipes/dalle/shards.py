@@ -17,8 +17,7 @@ between DataLoader workers stay those of `datasets`), and a shard that cannot be
 Each skipped shard or row group comes out of the stream as one marker row `{BAD_SHARD_KEY: reason,
 "shard": path, "error": message}`, which the consumer counts and logs (`datasets` hashes the generator's
 arguments, so a shared counter cannot travel with it). A pass over a stream in which every shard fails is
-an error (`ShardCheck`, `NoReadableShardError`), not an empty epoch. With DataLoader workers, each worker
-streams its own share of the shards, and that check applies to the share.
+an error (`ShardCheck`, `NoReadableShardError`), not an empty epoch.
 """
 
 from __future__ import annotations
@@ -137,14 +136,21 @@ class ShardCheck:
             self.first_skipped.append(row)
         return True
 
+    @property
+    def nothing_read(self) -> bool:
+        """Shards were skipped and not one row was read."""
+        return self.num_skipped > 0 and self.rows_read == 0
+
+    def describe(self) -> str:
+        return "; ".join(f"{p['shard']}: {p[BAD_SHARD_KEY]} ({p['error']})" for p in self.first_skipped)
+
     def raise_if_nothing_read(self) -> None:
-        if self.rows_read or not self.num_skipped:
+        if not self.nothing_read:
             return
-        details = "; ".join(f"{p['shard']}: {p[BAD_SHARD_KEY]} ({p['error']})" for p in self.first_skipped)
         raise NoReadableShardError(
             f"every parquet shard of this stream failed to read ({self.num_skipped} shards or row groups "
-            f"skipped, not one row read; with DataLoader workers, this is one worker's share), so there is "
-            f"nothing to train on. Check the files, e.g. with pyarrow.parquet.ParquetFile. First: {details}"
+            f"skipped, not one row read), so there is nothing to train on. Check the files, e.g. with "
+            f"pyarrow.parquet.ParquetFile. First: {self.describe()}"
         )
 
 

@@ -1,6 +1,7 @@
 """Bad parquet shards (corrupt pages, 0 bytes, 0 rows, not parquet) are skipped and counted, not fatal;
 page checksums catch a flipped bit; a stream whose every shard is bad is a clear error."""
 
+import itertools
 import logging
 
 import lightning.pytorch as pl
@@ -91,10 +92,8 @@ def test_a_stream_whose_every_shard_is_bad_is_a_clear_error(tmp_path):
     with pytest.raises(NoReadableShardError, match=message):  # at setup, taking validation rows
         DALLEDataModule(**options).setup("fit")
     write_parquet_shard(tmp_path / "validation.parquet", _rows(0, 8))
-    datamodule = DALLEDataModule(val_files=str(tmp_path / "validation.parquet"), **options)
-    datamodule.setup("fit")
-    with pytest.raises(NoReadableShardError, match=message):  # in training, at the end of the first pass
-        next(iter(datamodule.train_dataloader()))
+    with pytest.raises(NoReadableShardError, match=message):  # also when validation has its own files
+        DALLEDataModule(val_files=str(tmp_path / "validation.parquet"), **options).setup("fit")
     problems = list(read_shard(str(tmp_path / "train-no-code.parquet"), ("caption", "code")))
     assert problems[0][BAD_SHARD_KEY] == "unreadable_shard" and "no column ['code']" in problems[0]["error"]
 
@@ -123,3 +122,16 @@ def test_remote_shards_by_url_and_glob(tmp_path):
         datamodule.setup("fit")
         assert sum(len(batch["caption"]) for batch in datamodule.train_dataloader()) == 8
         assert datamodule.skipped["empty_shard"] == 1
+
+
+def test_a_worker_whose_share_of_shards_all_fail_goes_on_with_its_next_pass(tmp_path):
+    write_parquet_shard(tmp_path / "train-0.parquet", _rows(0, 12))
+    (tmp_path / "train-1.parquet").write_text("not parquet")
+    write_parquet_shard(tmp_path / "validation.parquet", _rows(100, 4))
+    datamodule = DALLEDataModule(train_files=str(tmp_path / "train-*.parquet"), image_grid_size=GRID,
+                                 val_files=str(tmp_path / "validation.parquet"), codebook_size=CODEBOOK,
+                                 text_seq_len=8, batch_size=4, seed=0, num_workers=2)  # one shard per worker
+    datamodule.setup("fit")
+    batches = list(itertools.islice(datamodule.train_dataloader(), 12))  # 4 passes over the good shard
+    assert len(batches) == 12 and all(int(c.rsplit(" ", 1)[1]) < 12 for b in batches for c in b["caption"])
+    assert datamodule.skipped["unreadable_shard"] >= 1  # the worker dealt the bad shard went on with its next pass
