@@ -2,7 +2,7 @@
 
 bench-small: dim 256, depth 8, 4 heads of 64, text 64 tokens, 16x16 grid, 1024 codes, axial
 row/col/row/row with 4 shared blocks, reversible, rotary, batch 8, 2 threads (the config of
-/work/shared/peers/dalle_pytorch_anchor.py). Each measurement runs in a fresh subprocess; with
+../shared/peers/dalle_pytorch_anchor.py). Each measurement runs in a fresh subprocess; with
 ``--anchor-python`` ours and the anchor alternate ``--repeats`` times and the ratio of medians is printed
 (other processes share the cores, so single figures are noisy). Ours runs in fp32 (like the anchor) and,
 by default, also under bf16 autocast (``precision="bf16-mixed"`` in Lightning), which this machine's
@@ -26,7 +26,10 @@ import sys
 import time
 from pathlib import Path
 
-ANCHOR = Path("/work/shared/peers/dalle_pytorch_anchor.py")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paths import SHARED  # noqa: E402
+
+ANCHOR = SHARED / "peers" / "dalle_pytorch_anchor.py"
 
 
 def bench_small_config(**overrides):

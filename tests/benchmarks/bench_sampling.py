@@ -1,6 +1,6 @@
 """Sampling speed of the DALL-E with and without the key/value cache (prints figures; not a test).
 
-Config "bench-small" (the same as /work/shared/peers/dalle_pytorch_anchor.py, which prints DALLE-pytorch
+Config "bench-small" (the same as ../shared/peers/dalle_pytorch_anchor.py, which prints DALLE-pytorch
 1.6.6's seconds per image): dim 256, depth 8, 4 heads of 64, text 64 tokens, 16x16 grid, 1024 codes,
 axial row/col/row/row, 4 shared blocks, reversible, rotary (no conv last layer, like the anchor).
 

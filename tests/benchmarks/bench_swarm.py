@@ -2,7 +2,7 @@
 
 1. averaging: time of one averaging round of a 25M-parameter model between two local peers (hivemind
    DecentralizedAverager, 10 tensors of 2.5M values), with our default wire codec and with none/fp16, next to
-   /work/shared/peers/hivemind_averaging_anchor.py run the same way (if present).
+   ../shared/peers/hivemind_averaging_anchor.py run the same way (if present).
 2. throughput: one peer's samples/s inside a 2-peer HivemindStrategy swarm divided by its samples/s alone, same
    model, batch and thread count (1 torch thread per peer), with the overlap options
    (delay_optimizer_step + delay_grad_averaging + delay_state_averaging). "Alone" is measured twice: one peer
@@ -38,8 +38,10 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-REPO = Path(__file__).resolve().parents[2]
-ANCHOR = Path("/work/shared/peers/hivemind_averaging_anchor.py")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paths import REPO, SHARED  # noqa: E402
+
+ANCHOR = SHARED / "peers" / "hivemind_averaging_anchor.py"
 sys.path.insert(0, str(REPO / "tests" / "lightning_swarm"))
 
 
