@@ -7,7 +7,7 @@ position (`model.decode_step`); without it every code re-runs the whole sequence
 Both draw from the same logits with the same generator calls, so the same seed gives the same codes.
 
 Classifier-free guidance: with `guidance_scale` s != 1 the batch is doubled with all-pad captions (the
-unconditional pass, `recipes.dalle.module.unconditional_text`, the captions `text_dropout` trains on) and the
+unconditional pass, `recipes.dalle.model.unconditional_text`, the captions `text_dropout` trains on) and the
 logits become `uncond + s * (cond - uncond)`. The caption tensor passed in is never modified (DALLE-pytorch's
 `generate_images` zeroed the caller's prompt in place to build its unconditional batch, so a second call sampled
 unconditionally).
@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from inference.filtering import sample_from_logits
-from recipes.dalle.module import unconditional_text
+from recipes.dalle.model import unconditional_text
 
 
 def guided_logits(logits: torch.Tensor, guidance_scale: float) -> torch.Tensor:

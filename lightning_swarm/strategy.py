@@ -37,6 +37,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_swarm import compression as swarm_compression
 from lightning_swarm import metrics as swarm_metrics
+from lightning_swarm.callbacks.progress import SwarmProgress
 from lightning_swarm.peers import (
     INITIAL_PEERS_ENV,
     check_listen_maddrs,
@@ -326,8 +327,6 @@ class HivemindStrategy(SingleDeviceStrategy):
             self._original_zero_grad = module.optimizer_zero_grad
             module.optimizer_zero_grad = lambda *args, **kwargs: None
         if self.log_progress:
-            from lightning_swarm.callbacks.progress import SwarmProgress
-
             if not any(isinstance(callback, SwarmProgress) for callback in trainer.callbacks):
                 trainer.callbacks.append(SwarmProgress())
 

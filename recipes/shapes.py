@@ -27,8 +27,10 @@ import re
 from pathlib import Path
 
 import numpy as np
-from scipy import ndimage
 import torch
+from scipy import ndimage
+
+from recipes.rows import encode_code, write_parquet_shard
 
 GRID_SIZE = 16
 PALETTE: list[tuple[str, tuple[int, int, int]]] = [
@@ -97,6 +99,18 @@ def _article(word: str) -> str:
     return "an" if word[0] in "aeiou" else "a"
 
 
+def caption_of(labels: dict) -> str:
+    """The caption of a labels dict (as :func:`generate_example` returns them): the grammar's one definition.
+
+    Single shapes: "a {size} {colour} {shape}"; pairs: "{a/an} {colour} {shape} {relation} {a/an} {colour} {shape}".
+    """
+    if labels["kind"] == "single":
+        obj = labels["objects"][0]
+        return f"a {labels['size']} {obj['colour']} {obj['shape']}"
+    first, second = (f"{_article(o['colour'])} {o['colour']} {o['shape']}" for o in labels["objects"])
+    return f"{first} {labels['relation']} {second}"
+
+
 def _pick_object(rng: np.random.Generator, split: str, force_held_out: bool) -> tuple[str, str]:
     if force_held_out:
         pairs = sorted(HELD_OUT_PAIRS)
@@ -126,7 +140,6 @@ def generate_example(index: int, split: str = "train", seed: int = 0) -> tuple[s
         jitter = 1 if size_name == "big" else 3
         top, left = centre_offset + rng.integers(-jitter, jitter + 1, size=2)
         obj = _paint(grid, shape, colour, int(top), int(left), size)
-        caption = f"a {size_name} {colour} {shape}"
         labels = {"kind": "single", "size": size_name, "objects": [obj]}
     else:
         relation = RELATIONS[rng.integers(len(RELATIONS))]
@@ -146,10 +159,9 @@ def generate_example(index: int, split: str = "train", seed: int = 0) -> tuple[s
         for (colour, shape), along, other in ((first, first_at, across[0]), (second, second_at, across[1])):
             top, left = (int(other), along) if horizontal else (along, int(other))
             objects.append(_paint(grid, shape, colour, top, left, PAIR_SIZE))
-        caption = f"{_article(first[0])} {first[0]} {first[1]} {relation} {_article(second[0])} {second[0]} {second[1]}"
         labels = {"kind": "pair", "relation": relation, "objects": objects}
     labels["held_out"] = any((o["colour"], o["shape"]) in HELD_OUT_PAIRS for o in labels["objects"])
-    return caption, grid, labels
+    return caption_of(labels), grid, labels
 
 
 # ---------------------------------------------------------------- codec
@@ -286,8 +298,6 @@ def write_shapes_dataset(
     """Write `num_train` training and `num_val` validation rows as Brotli parquet shards named
     `train-00000-of-000NN.parquet` / `validation-00000-of-000NN.parquet` in `out_dir`.
     Returns {"train": [paths], "validation": [paths]}."""
-    from recipes.dalle.rows import encode_code, write_parquet_shard
-
     if rows_per_shard < 1:
         raise ValueError(f"rows_per_shard must be >= 1, got {rows_per_shard}")
     out_dir = Path(out_dir)

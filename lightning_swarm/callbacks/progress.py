@@ -7,10 +7,22 @@ Logged values: ``swarm/epoch`` (global epoch), ``swarm/peers`` (peers training i
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+
+
+@runtime_checkable
+class SwarmStatus(Protocol):
+    """What this callback reads from the Trainer's strategy (HivemindStrategy has it; this module does not import
+    the strategy, which imports this module)."""
+
+    optimizer: Optional[Any]  # None until training is set up
+    global_epoch: int
+    num_peers: int
+    local_samples_per_second: float
+    stats: Any  # with ``swarm_samples_per_second``
 
 
 class SwarmProgress(Callback):
@@ -24,10 +36,8 @@ class SwarmProgress(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        from lightning_swarm.strategy import HivemindStrategy
-
         strategy = trainer.strategy
-        if not isinstance(strategy, HivemindStrategy) or strategy.optimizer is None:
+        if not isinstance(strategy, SwarmStatus) or strategy.optimizer is None:
             return
         if batch_idx % self.every_n_steps != 0:
             return

@@ -23,8 +23,8 @@ import open_clip
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from recipes.shapes import (COLOUR_CODES, COLOURS, GRID_SIZE, SHAPES, SIZES, PaletteCodec, check_caption,
-                            generate_example, shape_mask)
+from recipes.shapes import (COLOUR_CODES, COLOURS, GRID_SIZE, SHAPES, SIZES, PaletteCodec, caption_of,
+                            check_caption, generate_example, shape_mask)
 
 OPPOSITE = {"to the left of": "to the right of", "to the right of": "to the left of", "above": "below", "below": "above"}
 # How a hard negative differs from its caption. Pairs: "relation" reverses the relation word; "swap_objects"
@@ -34,19 +34,6 @@ OPPOSITE = {"to the left of": "to the right of", "to the right of": "to the left
 PAIR_NEGATIVES = ("relation", "swap_objects", "swap_colours", "swap_shapes", "colour", "shape")
 SINGLE_NEGATIVES = ("size", "colour", "shape")
 NEGATIVE_KINDS = tuple(dict.fromkeys(PAIR_NEGATIVES + SINGLE_NEGATIVES))
-
-
-def _article(word: str) -> str:
-    return "an" if word[0] in "aeiou" else "a"
-
-
-def caption_of(labels: dict) -> str:
-    """The shapes-grammar caption of a labels dict (the same text `generate_example` writes)."""
-    objects = [f"{_article(o['colour'])} {o['colour']} {o['shape']}" for o in labels["objects"]]
-    if labels["kind"] == "single":
-        colour, shape = labels["objects"][0]["colour"], labels["objects"][0]["shape"]
-        return f"a {labels['size']} {colour} {shape}"
-    return f"{objects[0]} {labels['relation']} {objects[1]}"
 
 
 def negative_kinds(labels: dict) -> list[str]:

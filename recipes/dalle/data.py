@@ -21,7 +21,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from recipes.dalle.rows import decode_code, encode_code, write_parquet_shard  # noqa: F401 (public API)
+from recipes.rows import decode_code, encode_code, write_parquet_shard  # noqa: F401 (public API)
 from recipes.dalle.shards import BAD_SHARD_KEY, SHARD_SKIP_REASONS, ShardCheck, stream_shards
 from recipes.dalle.tokenizer import TextTokenizer
 

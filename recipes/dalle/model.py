@@ -51,7 +51,16 @@ from recipes.dalle.cpu_linear import linear, linear_cross_entropy
 from recipes.dalle.decoding import DALLECache, IncrementalDecodingMixin
 from recipes.dalle.reversible import reversible_forward, reversible_forward_eager
 
-__all__ = ["DALLE", "DALLECache", "DALLEConfig"]
+__all__ = ["DALLE", "DALLECache", "DALLEConfig", "unconditional_text"]
+
+
+def unconditional_text(text: torch.Tensor) -> torch.Tensor:
+    """The caption of "no caption" for `text` [B, T]: a new tensor of all pads (id 0), same shape.
+
+    Training with `text_dropout` shows the model these captions, and classifier-free guidance
+    (`inference.sampling.sample_codes`) runs its unconditional pass on them: both must use this one definition.
+    """
+    return torch.zeros_like(text)
 
 
 @dataclass

@@ -10,21 +10,12 @@ import torch
 from lightning.pytorch.cli import OptimizerCallable
 
 from lightning_swarm.lr_schedule import check_schedule, warmup_decay_scheduler
-from recipes.dalle.model import DALLE, DALLEConfig
+from recipes.dalle.model import DALLE, DALLEConfig, unconditional_text
 
 
 def default_optimizer(params) -> torch.optim.Optimizer:
     """AdamW as in small-scale runs; swarm configs use `lightning_swarm.optim.LAMB8bit` instead."""
     return torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.96), weight_decay=0.01, fused=True)
-
-
-def unconditional_text(text: torch.Tensor) -> torch.Tensor:
-    """The caption of "no caption" for `text` [B, T]: a new tensor of all pads (id 0), same shape.
-
-    Training with `text_dropout` shows the model these captions, and classifier-free guidance
-    (`inference.sampling.sample_codes`) runs its unconditional pass on them: both must use this one definition.
-    """
-    return torch.zeros_like(text)
 
 
 class DALLEModule(L.LightningModule):

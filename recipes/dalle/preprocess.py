@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from recipes.dalle.preprocess_sources import (SourceExample, iter_folder, iter_hf_dataset, iter_tar_shards,
                                               load_pil_image)
-from recipes.dalle.rows import encode_code, write_parquet_shard
+from recipes.rows import encode_code, write_parquet_shard
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ between DataLoader workers stay those of `datasets`), and a shard that cannot be
   `code` column, or not openable;
 - "empty_shard": 0 bytes, or 0 rows;
 - "corrupt_row_group": a page fails its CRC checksum (`page_checksum_verification=True`; shards written by
-  `recipes.dalle.rows.write_parquet_shard` carry page checksums) or fails to decompress. The row group's
+  `recipes.rows.write_parquet_shard` carry page checksums) or fails to decompress. The row group's
   remaining rows are skipped and reading goes on with the next row group, so a flipped bit costs at most
   one row group, never garbage codes trained on.
 

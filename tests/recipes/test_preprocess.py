@@ -14,7 +14,7 @@ from parquet_damage import assert_pages_carry_checksums
 from recipes.dalle.data import DALLEDataModule
 from recipes.dalle.preprocess import main, preprocess
 from recipes.dalle.preprocess_sources import iter_folder, iter_hf_dataset, iter_tar_shards
-from recipes.dalle.rows import decode_code
+from recipes.rows import decode_code
 from recipes.shapes import PaletteCodec, generate_example
 
 CODEC = PaletteCodec(cell_pixels=8)  # 128x128 images <-> 16x16 grids of 8 codes, exactly

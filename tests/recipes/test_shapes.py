@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from parquet_damage import assert_pages_carry_checksums
-from recipes.dalle.rows import decode_code
+from recipes.rows import decode_code
 from recipes.dalle.tokenizer import TextTokenizer
 from recipes.shapes import (
     GRID_SIZE,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from recipes.dalle.data import DALLEDataModule
-from recipes.dalle.rows import ROW_GROUP_ROWS, write_parquet_shard
+from recipes.rows import ROW_GROUP_ROWS, write_parquet_shard
 from recipes.dalle.shards import BAD_SHARD_KEY, NoReadableShardError, read_shard
 from parquet_damage import flip_inside_code_chunk
 from test_data import CODEBOOK, GRID, _rows
