@@ -7,7 +7,7 @@ which has no Trainer.
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Set
 
 import torch
 
@@ -54,6 +54,8 @@ class CheckpointSaver:
             else None
         )
         self.saved: List[str] = []  # local paths, in order
+        # names of checkpoints another thread is reading (e.g. the monitor's sampler): pruning keeps them
+        self.in_use: Set[str] = set()
 
     def save(
         self,
@@ -64,7 +66,7 @@ class CheckpointSaver:
     ) -> str:
         """Save one checkpoint (``meta``: global_epoch, run_id, samples_seen, loss, extra_meta), queue its
         upload and return its local path."""
-        protected = self.uploader.pending if self.uploader else set()
+        protected = (self.uploader.pending if self.uploader else set()) | set(self.in_use)
         path = save_checkpoint(
             self.dirpath,
             module,

@@ -164,7 +164,7 @@ def main(argv: Optional[List[str]] = None) -> None:
 
         sampler = SampleRunner(args.sample_prompts, os.path.join(args.log_dir, "samples"),
                                on_samples=dashboard.set_samples if dashboard else lambda samples: None,
-                               module=args.sample_module, extra_args=args.sample_args)
+                               module=args.sample_module, extra_args=args.sample_args, in_use=saver.in_use)
     monitor = Monitor(
         peer,
         loggers,

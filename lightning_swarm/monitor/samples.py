@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Set
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,8 @@ class SampleRunner:
         extra_args: more arguments for it, as one shell-quoted string (e.g. ``"--clip-model ckpt/clip --keep 4"``).
         timeout: seconds a sampling run may take before it is stopped.
         niceness: added to the sampling process's niceness, so that it yields the CPU to the monitor's DHT.
+        in_use: a set that holds the name of the checkpoint being sampled from while it is (the saver's
+            ``in_use``, so that pruning keeps it).
     """
 
     def __init__(
@@ -62,12 +64,14 @@ class SampleRunner:
         extra_args: str = "",
         timeout: float = 1800.0,
         niceness: int = 10,
+        in_use: Optional[Set[str]] = None,
     ):
         if not prompts:
             raise ValueError("SampleRunner needs at least one prompt")
         self.prompts, self.out_root, self.on_samples = list(prompts), out_root, on_samples
         self.module, self.extra_args = module, shlex.split(extra_args)
         self.timeout, self.niceness = timeout, niceness
+        self.in_use = in_use if in_use is not None else set()
         self.runs = 0  # finished runs (successful or not)
         self._pending: Optional[tuple] = None  # (checkpoint dir, epoch) of the newest submission not yet run
         self._wakeup = threading.Condition()
@@ -102,7 +106,17 @@ class SampleRunner:
             self.runs += 1
 
     def _sample(self, checkpoint_dir: str, epoch: int) -> None:
-        out_dir = os.path.join(self.out_root, os.path.basename(os.path.normpath(checkpoint_dir)))
+        name = os.path.basename(os.path.normpath(checkpoint_dir))
+        self.in_use.add(name)
+        try:
+            if not os.path.isdir(checkpoint_dir):  # pruned before its turn came: a newer one is queued
+                logger.info(f"Not sampling from {checkpoint_dir}: it was pruned meanwhile")
+                return
+            self._run_sampler(checkpoint_dir, epoch, os.path.join(self.out_root, name))
+        finally:
+            self.in_use.discard(name)
+
+    def _run_sampler(self, checkpoint_dir: str, epoch: int, out_dir: str) -> None:
         os.makedirs(out_dir, exist_ok=True)
         started = time.monotonic()
         with open(os.path.join(out_dir, "sampling.log"), "w") as log:

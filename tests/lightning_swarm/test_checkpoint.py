@@ -267,3 +267,21 @@ def test_bad_arguments_raise_clear_errors(tmp_path):
         SwarmCheckpoint(every_n_epochs=None, every_n_minutes=None)
     with pytest.raises(FileNotFoundError, match="No checkpoint at"):
         read_checkpoint(str(tmp_path))
+
+
+def test_saver_keeps_checkpoints_in_use_and_records_the_model(tmp_path):
+    """A checkpoint someone still reads (the monitor's sampler) survives pruning; meta.json rebuilds the model."""
+    from lightning_swarm.checkpoint.saver import CheckpointSaver
+
+    saver = CheckpointSaver(str(tmp_path), keep_last=1)
+    first = saver.save(TinyRegressor(dim=5), [], [], global_epoch=1)
+    saver.in_use.add(os.path.basename(first))
+    saver.save(TinyRegressor(dim=5), [], [], global_epoch=2)
+    assert list_checkpoints(str(tmp_path)) == ["epoch_000001", "epoch_000002"]
+    saver.in_use.clear()
+    saver.save(TinyRegressor(dim=5), [], [], global_epoch=3)
+    assert list_checkpoints(str(tmp_path)) == ["epoch_000003"]
+    saved = read_checkpoint(str(tmp_path))
+    assert saved.meta["model"] == {"class_path": "ckpt_tiny_module.TinyRegressor",
+                                   "init_args": {"dim": 5, "hidden": 16, "lr": 1e-2}}
+    assert isinstance(saved.build_model(), TinyRegressor) and saved.build_model().embed.weight.shape == (16, 5)

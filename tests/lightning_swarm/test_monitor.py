@@ -4,12 +4,8 @@
 import csv
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 import torch
@@ -22,6 +18,7 @@ from lightning_swarm.monitor.aggregate import ContributionTable, aggregate, peer
 from lightning_swarm.monitor.config import build_strategy, load_monitor_config
 from lightning_swarm.recipe_config import build_model
 from lightning_swarm.strategy import HivemindStrategy
+from processes import Proc, free_port, wait_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -155,58 +152,6 @@ def test_monitor_drops_its_own_address_from_the_trainers_initial_peers(tmp_path)
 
 
 # --------------------------------------------------------------------------------------------- real swarm
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    """A child process whose stdout lines are collected by a thread (stderr goes to a file)."""
-
-    def __init__(self, args, log_path, env):
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self.log, env=env, text=True,
-                                     cwd=os.path.dirname(log_path), start_new_session=True)
-        self.lines = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    def wait_line(self, prefix, timeout):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in self.lines:
-                if line.startswith(prefix):
-                    return line
-            if self.proc.poll() is not None:
-                raise AssertionError(f"process exited ({self.proc.returncode}) before printing {prefix!r}")
-            time.sleep(0.1)
-        raise AssertionError(f"no {prefix!r} line within {timeout}s")
-
-    def stop(self, timeout=20):
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
-
-
-def wait_for(condition, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def read_jsonl(path):
