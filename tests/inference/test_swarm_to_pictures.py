@@ -69,9 +69,9 @@ def test_swarm_monitor_dashboard_and_sampling_from_the_uploaded_url(tmp_path, ti
                PYTHONPATH=os.pathsep.join([REPO, HERE, os.environ.get("PYTHONPATH", "")]))
     sample_args = f"--clip-model {tiny_clip_dir} --num-candidates 4 --keep 4 --batch-size 4 --top-k 0"
     monitor = Proc([sys.executable, "-m", "lightning_swarm.monitor", "--config", "cfg.yaml",
-                    "--host_maddrs", f"/ip4/127.0.0.1/tcp/{free_port()}", "--identity_path", "monitor.id",
-                    "--refresh_period", "0.5", "--save_every_epochs", "10", "--upload_to", remote_url,
-                    "--upload_backoff_seconds", "0.5", "--max_runtime", "800",
+                    "--host-maddrs", f"/ip4/127.0.0.1/tcp/{free_port()}", "--identity-path", "monitor.id",
+                    "--refresh-period", "0.5", "--save-every-epochs", "10", "--upload-to", remote_url,
+                    "--upload-backoff-seconds", "0.5", "--max-runtime", "800",
                     "--dashboard-port", "0", "--dashboard-host", "127.0.0.1", "--dashboard-poll-seconds", "0.5",
                     *[arg for prompt in PROMPTS for arg in ("--sample-prompt", prompt)], "--sample-args", sample_args],
                    str(tmp_path / "monitor.log"), env, str(tmp_path))
