@@ -31,7 +31,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -44,6 +43,14 @@ from fsspec.implementations.local import LocalFileSystem
 import torch
 from safetensors.torch import load_file, save_file, save_model, load_model
 
+from lightning_swarm.checkpoint.layout import (  # noqa: F401 (part of this module's API)
+    LATEST_FILE,
+    check_latest_name,
+    checkpoint_name,
+    checkpoint_order,
+    read_latest_name,
+    sort_checkpoint_names,
+)
 from lightning_swarm.checkpoint.integrity import CheckpointIntegrityError, record_files, verify_files  # noqa: F401
 from lightning_swarm.checkpoint.model_spec import build_model, model_spec
 
@@ -55,32 +62,9 @@ MODEL_FILE = "model.safetensors"
 STATE_TENSORS_FILE = "training_state.safetensors"
 STATE_JSON_FILE = "training_state.json"
 META_FILE = "meta.json"
-LATEST_FILE = "latest"
 CHECKPOINT_FILES = (MODEL_FILE, STATE_TENSORS_FILE, STATE_JSON_FILE, META_FILE)
 HASHED_FILES = (MODEL_FILE, STATE_TENSORS_FILE, STATE_JSON_FILE)  # meta.json cannot hold its own hash
 TMP_PREFIX = ".tmp-"
-# epoch_000012, or epoch_000012.1 when an epoch was saved again (e.g. on train end)
-CHECKPOINT_NAME = re.compile(r"epoch_(\d+)(?:\.(\d+))?")
-
-
-def checkpoint_name(global_epoch: int) -> str:
-    """Directory name of the checkpoint taken at ``global_epoch`` (zero-padded to 6 digits for readability;
-    order checkpoints with :func:`checkpoint_order`, since epoch 1000000 has more digits)."""
-    return f"epoch_{global_epoch:06d}"
-
-
-def checkpoint_order(name: str) -> Optional[tuple]:
-    """(epoch, re-save number) of a checkpoint directory name, to sort by; None for names not of that form."""
-    match = CHECKPOINT_NAME.fullmatch(name)
-    if match is None:
-        return None
-    return int(match.group(1)), int(match.group(2) or 0)
-
-
-def sort_checkpoint_names(names) -> List[str]:
-    """The checkpoint names among ``names``, oldest first by epoch number (other names are left out)."""
-    return sorted((n for n in names if checkpoint_order(n) is not None), key=checkpoint_order)
-
 
 # --------------------------------------------------------------------------- state flattening (no pickle)
 
@@ -282,34 +266,6 @@ def prune_checkpoints(root: str, keep_last: int, protected: Optional[set] = None
             path = os.path.join(root, name)
             shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
     return deleted
-
-
-def check_latest_name(name: str, root: str) -> str:
-    """``name`` (read from ``root/latest``) if it names a directory directly inside ``root``; raises
-    ValueError otherwise, so a crafted ``latest`` cannot point a reader (or pruning) anywhere else."""
-    if checkpoint_order(name) is None:
-        raise ValueError(
-            f"{root}/{LATEST_FILE} names {name!r}, not a checkpoint directory inside that root "
-            f"(expected a name like {checkpoint_name(12)!r}); refusing to follow it"
-        )
-    return name
-
-
-def read_latest_name(root: str) -> Optional[str]:
-    """The checkpoint name ``root/latest`` holds (None if there is no such file); see :func:`check_latest_name`."""
-    path = os.path.join(root, LATEST_FILE)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        name = f.read().strip()
-    if not name:
-        return None
-    check_latest_name(name, root)
-    if os.path.islink(os.path.join(root, name)):  # a symlink would lead out of the root just the same
-        target = os.path.realpath(os.path.join(root, name))
-        if os.path.dirname(target) != os.path.realpath(root):
-            raise ValueError(f"{root}/{name} is a symlink to {target}, outside the checkpoint root; refusing it")
-    return name
 
 
 # --------------------------------------------------------------------------- reading

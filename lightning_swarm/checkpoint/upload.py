@@ -26,7 +26,8 @@ from typing import Callable, List, Optional, Set
 
 import fsspec
 
-from lightning_swarm.checkpoint.checkpoint_io import CHECKPOINT_FILES, LATEST_FILE, META_FILE, sort_checkpoint_names
+from lightning_swarm.checkpoint.checkpoint_io import CHECKPOINT_FILES, META_FILE
+from lightning_swarm.checkpoint.layout import LATEST_FILE, sort_checkpoint_names
 
 logger = logging.getLogger(__name__)
 
