@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from inference.checkpoint import LoadedDALLE, load_dalle
-from inference.generate import DEFAULT_CLIP
+from inference.options import add_sampling_arguments
 from inference.rerank import CLIPReranker
 from inference.sampling import sample_codes
 from recipes.shapes import check_caption, generate_example, parse_caption
@@ -166,25 +166,15 @@ def evaluate(dalle: LoadedDALLE, reranker: CLIPReranker, num_captions: int = 32,
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="a DALL-E trained on shapes: a directory or URL (hf://owner/repo, any fsspec URL) of checkpoints as SwarmCheckpoint and the monitor write them, or an old Lightning .ckpt file")
-    parser.add_argument("--clip-model", default=DEFAULT_CLIP, help="local CLIP directory or open_clip name")
-    parser.add_argument("--clip-pretrained", default=None, help="pretrained tag or weights file (open_clip names)")
+    add_sampling_arguments(parser, checkpoint_help="a DALL-E trained on shapes", num_candidates=16, batch_size=32,
+                           top_k=0)
     parser.add_argument("--num-captions", type=int, default=128,
                         help="distinct validation captions (the gain's standard error is ~5 points at 32, ~3 at 128)")
-    parser.add_argument("--num-candidates", type=int, default=16, help="images sampled per caption")
-    parser.add_argument("--batch-size", type=int, default=32, help="images sampled together")
-    parser.add_argument("--temperature", type=float, default=1.0, help="logit temperature")
-    parser.add_argument("--top-k", type=int, default=0, help="top-k filter (0 = off)")
-    parser.add_argument("--top-p", type=float, default=None, help="top-p filter")
-    parser.add_argument("--guidance-scale", type=float, default=1.0,
-                        help="classifier-free guidance scale (1 = off); needs a DALL-E trained with text_dropout > 0")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--data-seed", type=int, default=0, help="seed the shapes data was generated with")
     parser.add_argument("--json", default=None, help="also write the report (and the settings) to this JSON file")
     parser.add_argument("--save-candidates", default=None, help="also write the sampled codes to this .safetensors file")
     parser.add_argument("--candidates", default=None,
                         help="score the codes of a --save-candidates file instead of sampling (sampling options unused)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     return parser
 
 

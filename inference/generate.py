@@ -19,10 +19,9 @@ from tqdm.auto import tqdm
 
 from inference.checkpoint import LoadedDALLE, load_dalle
 from inference.grid import prompt_slug, save_grid, save_results
+from inference.options import add_sampling_arguments
 from inference.rerank import CLIPReranker, rerank
 from inference.sampling import sample_codes
-
-DEFAULT_CLIP = "checkpoints/clip_tiny"  # where `python -m recipes.clip fit --config configs/clip_tiny.yaml` exports
 
 
 @torch.no_grad()
@@ -108,24 +107,10 @@ def generate(
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="the DALL-E: a directory or URL (hf://owner/repo, any fsspec URL) of checkpoints as SwarmCheckpoint and the monitor write them, or an old Lightning .ckpt file")
+    add_sampling_arguments(parser, checkpoint_help="the DALL-E", num_candidates=128, batch_size=16, top_k=256)
     parser.add_argument("--prompt", action="append", required=True, help="a caption; repeat for several")
-    parser.add_argument("--num-candidates", type=int, default=128, help="images sampled per prompt")
     parser.add_argument("--keep", type=int, default=4, help="best images kept per prompt")
-    parser.add_argument("--temperature", type=float, default=1.0, help="logit temperature (0 = greedy)")
-    parser.add_argument("--top-k", type=int, default=256, help="sample among the k most likely codes (0 = all)")
-    parser.add_argument("--top-p", type=float, default=None, help="then among the nucleus of this mass, e.g. 0.75")
-    parser.add_argument("--guidance-scale", type=float, default=1.0,
-                        help="classifier-free guidance scale (1 = off; unconditional pass on all-pad text); "
-                             "needs a DALL-E trained with model.text_dropout > 0")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
-    parser.add_argument("--batch-size", type=int, default=16, help="candidates sampled together")
-    parser.add_argument("--clip-model", default=DEFAULT_CLIP,
-                        help="local CLIP directory (open_clip local-dir format) or open_clip name such as ViT-B-32")
-    parser.add_argument("--clip-pretrained", default=None,
-                        help="pretrained tag (e.g. openai) or weights file, with an open_clip name")
     parser.add_argument("--out", default="samples", help="output directory for grids and results.json")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     return parser
 
 

@@ -22,13 +22,6 @@ from safetensors.torch import save_file
 from lightning_swarm.lr_schedule import check_schedule, warmup_decay_scheduler
 from recipes.clip.data import NEGATIVE_KINDS, NUM_LAYOUTS
 
-TINY_CLIP_CONFIG = {
-    "embed_dim": 64,
-    "vision_cfg": {"image_size": 128, "layers": 2, "width": 128, "patch_size": 16},
-    "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 128, "heads": 4, "layers": 2},
-}
-
-
 def contrastive_loss(image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
                      same_caption: torch.Tensor | None = None,
                      extra_image_features: torch.Tensor | None = None) -> torch.Tensor:
@@ -71,7 +64,7 @@ class CLIPModule(L.LightningModule):
     negative pictures for their caption, and the layout of two-shape examples {"layout" [B]}.
 
     Args:
-        model_cfg: open_clip model config (embed_dim, vision_cfg, text_cfg), e.g. TINY_CLIP_CONFIG.
+        model_cfg: open_clip model config (embed_dim, vision_cfg, text_cfg), e.g. configs/clip_tiny.yaml's.
         lr: AdamW peak learning rate.
         weight_decay: AdamW weight decay (not applied to gains, biases and the logit scale).
         warmup_steps: linear warmup steps, then decay to 10% of `lr` until `total_steps`
@@ -94,7 +87,7 @@ class CLIPModule(L.LightningModule):
         mean, std: image normalisation used by the data, recorded in the exported preprocess config.
     """
 
-    def __init__(self, model_cfg: dict | None = None, lr: float = 1e-3, weight_decay: float = 0.1,
+    def __init__(self, model_cfg: dict, lr: float = 1e-3, weight_decay: float = 0.1,
                  warmup_steps: int = 50, total_steps: int = 1000, decay: str = "cosine", hard_negatives: bool = True,
                  negative_images: bool = True, layout_weight: float = 0.0,
                  export_dir: str | None = "checkpoints/clip_tiny",
@@ -103,7 +96,7 @@ class CLIPModule(L.LightningModule):
         super().__init__()
         check_schedule(warmup_steps, max(total_steps - warmup_steps, 1), decay, min_lr_ratio=0.1)
         self.save_hyperparameters()
-        self.model_cfg = dict(model_cfg or TINY_CLIP_CONFIG)
+        self.model_cfg = dict(model_cfg)
         self.model = open_clip.CLIP(**self.model_cfg)
         if layout_weight > 0:
             self.layout_head = torch.nn.Linear(self.model_cfg["embed_dim"], NUM_LAYOUTS, bias=False)

@@ -34,6 +34,7 @@ This gives the same logits as ``model(text, codes)[1]`` (up to float rounding); 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +53,9 @@ from recipes.dalle.decoding import DALLECache, IncrementalDecodingMixin
 from recipes.dalle.reversible import reversible_forward, reversible_forward_eager
 
 __all__ = ["DALLE", "DALLECache", "DALLEConfig", "unconditional_text"]
+
+# the seed run's configuration, in the checkout's configs/
+SEED_1B_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "dalle_1b.yaml"
 
 
 def unconditional_text(text: torch.Tensor) -> torch.Tensor:
@@ -144,9 +148,18 @@ class DALLEConfig:
 
     @classmethod
     def seed_1b(cls, **overrides) -> "DALLEConfig":
-        """The seed run's ~1.1B-parameter model (about 0.14B unique parameters thanks to weight sharing)."""
-        values = dict(dim=1024, depth=64, heads=16, dim_head=64, text_seq_len=256, image_vocab_size=8192,
-                      image_grid_size=32, shared_layer_ids=(0, 1, 2, 3), reversible=True, rotary=True)
+        """The seed run's ~1.1B-parameter model (about 0.14B unique parameters thanks to weight sharing), read
+        from ``configs/dalle_1b.yaml`` (``model.init_args.config``) in the checkout, the one place it is defined.
+
+        Args:
+            **overrides: fields to change, e.g. ``shared_layer_ids=None``.
+        """
+        from lightning_swarm.recipe_config import load_yaml
+
+        path = SEED_1B_CONFIG
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: DALLEConfig.seed_1b reads the repository's configs/")
+        values = dict(load_yaml(path)["model"]["init_args"]["config"])
         values.update(overrides)
         return cls(**values)
 
