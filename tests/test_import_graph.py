@@ -1,5 +1,5 @@
 """The packages' import graph (read from the source, function-level imports included) has no cycles and keeps
-the layers of DESIGN: inference -> recipes -> lightning_swarm, never upwards."""
+the layers (README, Layout): inference -> recipes -> lightning_swarm, never upwards."""
 
 import ast
 from pathlib import Path

@@ -1,6 +1,6 @@
 """Image codecs by name: what a DALL-E config's `image_codec` field means.
 
-Both codecs follow the contract of DESIGN.md: `encode(images) -> LongTensor[B, h, w]`,
+Both codecs follow one contract: `encode(images) -> LongTensor[B, h, w]`,
 `decode(codes) -> images in [0, 1]`, `codebook_size`, `grid_size`, `image_size`.
 """
 

@@ -4,7 +4,7 @@ The seed run encoded LAION images with taming's "VQGAN f=8, 8192 codes, Gumbel q
 (OpenImages) model: a 256x256 image becomes a 32x32 grid of codes in [0, 8192). This module rebuilds
 that model (and the plain vector-quantized VQModel variant) without importing taming, loads taming's
 YAML configs and `.ckpt` / `.safetensors` weights directly, and exposes the image-codec contract of
-DESIGN.md: `encode(images in [0,1]) -> LongTensor[B, h, w]`, `decode(codes) -> images in [0,1]`,
+`recipes.dalle.codec`: `encode(images in [0,1]) -> LongTensor[B, h, w]`, `decode(codes) -> images in [0,1]`,
 `codebook_size`, `grid_size`, `image_size`.
 
     vqgan = VQGAN.from_taming("vqgan_gumbel_f8.yaml", "last.ckpt")   # local files
