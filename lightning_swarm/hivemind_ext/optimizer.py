@@ -28,8 +28,7 @@ class HivemindRpcNames:
     """Mixin for subclasses of hivemind averagers: serve and call RPCs under the hivemind class's name.
 
     hivemind names every RPC handler after the servicer's class (``"<prefix>::TrainingStateAverager.rpc_download_state"``),
-    so a subclass under its own name could not talk to peers that run hivemind's class (or the monitor, an
-    auxiliary peer that downloads state with hivemind's TrainingStateAverager).
+    so a subclass under its own name could not talk to peers that run hivemind's own classes.
     """
 
     @classmethod

@@ -154,6 +154,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         from lightning_swarm.monitor.dashboard import DashboardServer, DashboardState
 
         dashboard = DashboardState(run_id)
+        dashboard.load_history(os.path.join(args.log_dir, "snapshots.jsonl"))  # after a restart: the charts go on
         server = DashboardServer(dashboard, args.dashboard_host, args.dashboard_port,
                                  args.dashboard_poll_seconds).start()
         print(f"DASHBOARD {server.url}", flush=True)

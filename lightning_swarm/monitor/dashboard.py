@@ -88,6 +88,25 @@ class DashboardState:
             ]
             self._schedule = dict(schedule or {}, epoch=snapshot.step)
 
+    def load_history(self, snapshots_path: str) -> int:
+        """Fill the charts from the monitor's ``snapshots.jsonl`` of an earlier run (a restarted monitor keeps its
+        history); returns the number of points read. Lines that are not valid snapshots are skipped."""
+        if not os.path.isfile(snapshots_path):
+            return 0
+        points = []
+        with open(snapshots_path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                    points.append(dict(time=float(row["time"]), epoch=int(row["step"]), loss=float(row["loss"]),
+                                       alive_peers=int(row["alive_peers"]),
+                                       samples_per_second=float(row["samples_per_second"])))
+                except (ValueError, KeyError, TypeError):
+                    continue
+        with self._lock:
+            self._history.extend(points)
+        return len(points)
+
     def set_samples(self, samples: Dict[str, Any]) -> None:
         """The newest sample grids: ``{"epoch": E, "checkpoint": path, "time": t, "grids": [{"prompt", "file",
         "path", "clip_scores"}]}`` (``path`` is the PNG on disk, served as ``/samples/<file>``)."""

@@ -102,7 +102,8 @@ class SampleRunner:
             try:
                 self._sample(checkpoint_dir, epoch)
             except Exception as e:  # a failed sampling run must not stop the monitor
-                logger.warning(f"Sampling from {checkpoint_dir} failed: {e}")
+                if not self._stop:  # (a run killed by close() is no failure)
+                    logger.warning(f"Sampling from {checkpoint_dir} failed: {e}")
             self.runs += 1
 
     def _sample(self, checkpoint_dir: str, epoch: int) -> None:

@@ -64,3 +64,13 @@ def test_sample_results_keep_only_png_grids_inside_the_output_dir(tmp_path):
     grids = read_sample_results(str(tmp_path))
     assert grids == [dict(prompt="ok", file="00_ok.png", path=os.path.join(str(tmp_path), "00_ok.png"),
                           clip_scores=[0.25, 0.125])]
+
+
+def test_a_restarted_monitor_keeps_its_chart_history(tmp_path):
+    path = tmp_path / "snapshots.jsonl"
+    rows = [dict(time=10.0, step=1, loss=3.0, alive_peers=2, samples_per_second=5.0, samples_contributed=8, records={}),
+            "not json", dict(time=11.0, step=2)]  # a torn last line and a partial record are skipped
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    state = DashboardState("r")
+    assert state.load_history(str(path)) == 1 and state.load_history(str(tmp_path / "missing.jsonl")) == 0
+    assert state.to_json()["history"] == [dict(time=10.0, epoch=1, loss=3.0, alive_peers=2, samples_per_second=5.0)]
