@@ -108,6 +108,15 @@ class ThrottledProgressTracker(ProgressTracker):
         if own is not None and own.value is not None:
             metadata = dict(metadata)
             metadata[self._local_public_key] = ValueWithExpiration(self.local_progress.dict(), own.expiration_time)
+        elif metadata and isinstance(metadata, dict) and self.local_progress.samples_accumulated > 0:
+            # Other peers' records are in, this peer's first one is not yet (it is stored after its first samples,
+            # one DHT round trip later): count it anyway. Without it, num_peers is 1 while another peer trains,
+            # hivemind.Optimizer skips the gradient all-reduce ("no other peers") and steps on this peer's
+            # gradients alone, dropping the samples the others counted towards the same global step.
+            metadata = dict(metadata)
+            metadata[self._local_public_key] = ValueWithExpiration(
+                self.local_progress.dict(), get_dht_time() + self.metadata_expiration
+            )
         progress = super()._parse_swarm_progress_data(metadata)
         # hivemind's __init__ parses a first fetch before it creates should_report_progress (replaced by ours after)
         if isinstance(getattr(self, "should_report_progress", None), _ThrottledEvent):

@@ -134,6 +134,9 @@ class SwarmRecorder(pl.Callback):
         `barrier_count` peers did, so that peers start together; before the second step, wait until this peer's
         progress tracker sees them all (hivemind lists a peer only once it has reported samples), unless
         `wait_for_swarm` is False (peers of different runs that only start together).
+    first_step_delay: seconds to sleep after the barrier, before the first step: the other peers report their
+        samples first, and this peer's tracker reads them before its own record exists (a peer late by one
+        refresh period, as a loaded machine makes it).
     checkpoint_at_stop: if set, save a Lightning checkpoint to this path when stopping.
     record_params: save the parameters at every global epoch (benchmarks turn it off: it is not training work).
     warmup_seconds: if set, write a "warm" event (samples so far, elapsed) at the first step after this many seconds,
@@ -142,12 +145,14 @@ class SwarmRecorder(pl.Callback):
 
     def __init__(self, out_dir: str, stop_at_epoch: int = 3, max_seconds: float = 120.0,
                  barrier_dir: Optional[str] = None, barrier_count: int = 1, checkpoint_at_stop: Optional[str] = None,
-                 wait_for_swarm: bool = True, record_params: bool = True, warmup_seconds: Optional[float] = None):
+                 wait_for_swarm: bool = True, record_params: bool = True, warmup_seconds: Optional[float] = None,
+                 first_step_delay: float = 0.0):
         self.out_dir = Path(out_dir)
         self.stop_at_epoch, self.max_seconds = stop_at_epoch, max_seconds
         self.barrier_dir, self.barrier_count, self.wait_for_swarm = barrier_dir, barrier_count, wait_for_swarm
         self.checkpoint_at_stop, self.record_params = checkpoint_at_stop, record_params
         self.warmup_seconds, self._warm = warmup_seconds, False
+        self.first_step_delay = first_step_delay
         self._last_epoch: Optional[int] = None
         self._start: Optional[float] = None
 
@@ -192,6 +197,7 @@ class SwarmRecorder(pl.Callback):
             self.out_dir.mkdir(parents=True, exist_ok=True)
             if self.barrier_dir:
                 self._wait_for_barrier()
+            time.sleep(self.first_step_delay)
             self._start = time.perf_counter()
             self._record(trainer, pl_module, "start")
         elif trainer.global_step == 1 and self.barrier_dir and self.wait_for_swarm:

@@ -79,10 +79,15 @@ def test_two_peers_train_together_with_different_batch_sizes(tmp_path, peers):
     assert not torch.allclose(first.params(0)["net.0.weight"], first.params(3)["net.0.weight"])
 
 
-@pytest.mark.parametrize("shares", [(8, 8), (4, 12)], ids=["halves", "uneven"])
-def test_swarm_step_equals_one_peer_on_all_samples(tmp_path, peers, shares):
+@pytest.mark.parametrize("shares, second_late", [((8, 8), 0.0), ((4, 12), 0.0), ((4, 12), 2.5)],
+                         ids=["halves", "uneven", "uneven-second-late"])
+def test_swarm_step_equals_one_peer_on_all_samples(tmp_path, peers, shares, second_late):
     """No compression, deterministic data: peers contributing `shares` samples reach, after one global step,
-    the parameters of a single SGD step on all samples together (so samples, not peers, are weighted)."""
+    the parameters of a single SGD step on all samples together (so samples, not peers, are weighted).
+
+    second_late: the second peer takes its first step this many seconds after the first one (longer than the
+    tracker's refresh period), so its tracker has read the first peer's record before publishing its own: it must
+    still count itself and average with the first peer (a loaded machine delays a peer like this)."""
     lr, total = 0.1, sum(shares)
     first_share, second_share = shares
     recorder = {"stop_at_epoch": 1, "max_seconds": 60, "barrier_dir": str(tmp_path / "barrier"), "barrier_count": 2}
@@ -92,7 +97,7 @@ def test_swarm_step_equals_one_peer_on_all_samples(tmp_path, peers, shares):
     peers.append(first)
     second = Peer(tmp_path, "second", strategy_args("eq", total, initial_peers=first.join_peers(), **args),
                   model={"share_samples": second_share}, data={"batch_size": second_share, "offset": first_share},
-                  recorder=recorder)
+                  recorder=dict(recorder, first_step_delay=second_late))
     peers.append(second)
     for peer in (first, second):
         peer.wait(timeout=120)

@@ -6,6 +6,7 @@ import time
 
 import hivemind
 import pytest
+from hivemind.utils.crypto import RSAPrivateKey
 
 from lightning_swarm.hivemind_ext.tracker import ThrottledProgressTracker
 
@@ -123,3 +124,29 @@ def test_own_samples_are_counted_live_not_from_the_throttled_record(stale_tracke
 def test_negative_interval_is_rejected(dht):
     with pytest.raises(ValueError, match="min_report_interval"):
         ThrottledProgressTracker(dht=dht, prefix="bad", target_batch_size=1, min_report_interval=-1, start=False)
+
+
+def test_a_peer_counts_itself_before_its_own_record_is_in_the_dht(dht):
+    # Peer A has published 4 samples; peer B took its first step (12 samples) but its record is not stored yet.
+    # B must see 2 peers and 16 samples: with num_peers=1, hivemind.Optimizer would skip the all-reduce and step
+    # on B's gradients alone (the race of issue 16).
+    other = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                         initial_peers=[str(a) for a in dht.get_visible_maddrs()])
+    first = ThrottledProgressTracker(dht=dht, prefix="self", target_batch_size=16, start=True)
+    # its own key: in one process, both trackers would sign with the same process-wide key (one peer)
+    second = ThrottledProgressTracker(dht=other, prefix="self", target_batch_size=16, private_key=RSAPrivateKey(),
+                                      start=False)
+    try:
+        first.report_local_progress(0, 4)
+        _wait_for(lambda: _published(first) == (0, 4), timeout=10)
+        second.local_progress = second._get_local_progress(local_epoch=0, samples_accumulated=12)
+        metadata = other.get(second.training_progress_key, latest=True).value
+        assert list(metadata) == [first._local_public_key]  # only A's record is in the DHT
+        progress = second._parse_swarm_progress_data(metadata)
+        assert (progress.num_peers, progress.samples_accumulated) == (2, 16)
+        # a peer that has contributed nothing yet is not counted (as in hivemind, it reports no record either)
+        second.local_progress = second._get_local_progress(local_epoch=0, samples_accumulated=0)
+        assert second._parse_swarm_progress_data(metadata).num_peers == 1
+    finally:
+        first.shutdown(timeout=5)
+        other.shutdown()
