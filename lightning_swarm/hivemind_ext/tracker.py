@@ -90,6 +90,7 @@ class ThrottledProgressTracker(ProgressTracker):
         if min_report_interval < 0:
             raise ValueError(f"min_report_interval must be >= 0 seconds, got {min_report_interval!r}")
         self.min_report_interval = min_report_interval
+        self._counted_itself = False  # whether global_progress.num_peers includes this peer
         super().__init__(*args, start=False, **kwargs)  # this fetches the progress once
         self.should_report_progress = _ThrottledEvent(self._report_interval(self.global_progress))
         if start:
@@ -97,7 +98,13 @@ class ThrottledProgressTracker(ProgressTracker):
 
     def report_local_progress(self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = True):
         urgent = local_epoch != self.local_progress.epoch or samples_accumulated == 0
+        first_samples = self.local_progress.samples_accumulated == 0 and samples_accumulated > 0
         super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
+        if first_samples and not self._counted_itself and self.global_progress.num_peers > 0:
+            # the last fetch saw other peers but not this one (no samples yet, so no record): hivemind adds our
+            # samples to the global count above, add this peer too (see _parse_swarm_progress_data)
+            self.global_progress.num_peers += 1
+            self._counted_itself = True
         if urgent:
             self.should_report_progress.set_now()
 
@@ -117,6 +124,7 @@ class ThrottledProgressTracker(ProgressTracker):
             metadata[self._local_public_key] = ValueWithExpiration(
                 self.local_progress.dict(), get_dht_time() + self.metadata_expiration
             )
+        self._counted_itself = isinstance(metadata, dict) and self._local_public_key in metadata
         progress = super()._parse_swarm_progress_data(metadata)
         # hivemind's __init__ parses a first fetch before it creates should_report_progress (replaced by ours after)
         if isinstance(getattr(self, "should_report_progress", None), _ThrottledEvent):

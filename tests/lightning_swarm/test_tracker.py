@@ -144,9 +144,16 @@ def test_a_peer_counts_itself_before_its_own_record_is_in_the_dht(dht):
         assert list(metadata) == [first._local_public_key]  # only A's record is in the DHT
         progress = second._parse_swarm_progress_data(metadata)
         assert (progress.num_peers, progress.samples_accumulated) == (2, 16)
-        # a peer that has contributed nothing yet is not counted (as in hivemind, it reports no record either)
+        # a peer that has contributed nothing yet is not counted (as in hivemind, it reports no record either)...
         second.local_progress = second._get_local_progress(local_epoch=0, samples_accumulated=0)
-        assert second._parse_swarm_progress_data(metadata).num_peers == 1
+        second.global_progress = second._parse_swarm_progress_data(metadata)
+        assert (second.global_progress.num_peers, second.global_progress.samples_accumulated) == (1, 4)
+        # ... until its first samples, which must count it before the next fetch: the epoch may end on this step
+        second.report_local_progress(0, 12)
+        assert (second.global_progress.num_peers, second.global_progress.samples_accumulated) == (2, 16)
+        assert second.ready_to_update_epoch
+        second.report_local_progress(0, 20)
+        assert second.global_progress.num_peers == 2
     finally:
         first.shutdown(timeout=5)
         other.shutdown()
