@@ -97,7 +97,9 @@ class HivemindStrategy(SingleDeviceStrategy):
         averaging_timeout: seconds after which an averaging round is abandoned (the peer then uses its local
             gradients); dead peers are dropped within this time. Must be larger than matchmaking_time.
         allreduce_timeout: seconds to wait for the all-reduce itself (default: averaging_timeout).
-        load_state_timeout: seconds to wait for a peer to send the current state to a joining peer.
+        load_state_timeout: seconds a joining peer waits for the next part of the state from a peer before it
+            tries another one (at most 30 s, a stall: the whole download may take longer over a slow link; it
+            is retried, see :mod:`lightning_swarm.hivemind_ext.state_download`).
         delay_optimizer_step: run the optimizer step in the background, applied at a later local step
             (needs offload_optimizer).
         delay_grad_averaging: average gradients in the background (needs delay_optimizer_step).

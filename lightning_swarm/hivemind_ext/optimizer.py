@@ -21,6 +21,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 
 from lightning_swarm.hivemind_ext.grad_averager import SampleWeightedGradientAverager
 from lightning_swarm.hivemind_ext.matchmaking import ThrottledLeaderSearch
+from lightning_swarm.hivemind_ext.state_download import NoStateDownload, VerifiedStateDownload
 from lightning_swarm.hivemind_ext.tracker import ThrottledProgressTracker
 
 
@@ -37,12 +38,14 @@ class HivemindRpcNames:
         return hivemind_class._get_handle_name(namespace, method_name)
 
 
-class SwarmGradientAverager(HivemindRpcNames, ThrottledLeaderSearch, SampleWeightedGradientAverager):
-    """Gradient averager of a SwarmOptimizer: mean over samples, throttled leader search (``leader_poll_interval``)."""
+class SwarmGradientAverager(HivemindRpcNames, ThrottledLeaderSearch, SampleWeightedGradientAverager, NoStateDownload):
+    """Gradient averager of a SwarmOptimizer: mean over samples, throttled leader search (``leader_poll_interval``),
+    and a newcomer does not download the donor's gradient buffers (they are reset right after)."""
 
 
-class SwarmStateAverager(HivemindRpcNames, ThrottledLeaderSearch, TrainingStateAverager):
-    """State averager of a SwarmOptimizer: hivemind's TrainingStateAverager with a throttled leader search."""
+class SwarmStateAverager(HivemindRpcNames, ThrottledLeaderSearch, TrainingStateAverager, VerifiedStateDownload):
+    """State averager of a SwarmOptimizer: hivemind's TrainingStateAverager with a throttled leader search and a
+    verified, retried state download (``state_chunk_timeout``, ``state_download_attempts``)."""
 
 
 class SwarmOptimizer(hivemind.Optimizer):
