@@ -33,6 +33,12 @@ Every private name used is listed in :data:`~lightning_swarm.hivemind_ext.privat
 ``state`` (the monitor moving a state averager to another epoch)
     - ``TrainingStateAverager._update_scheduler``: steps the LR schedule to the new epoch.
     - ``ProgressTracker.training_progress_key``'s format: the monitor announces a reverted epoch under it.
+``state_download`` (a newcomer's state download: whole tensors of the right shape, or a clear error and a retry)
+    - ``DecentralizedAverager._load_state_from_peers``: overridden in the averager's process (stall timeout per
+      part, part count and shape checks, progress log, retries); ``_outer_pipe`` sends it the request, ``_p2p``
+      calls the donor, ``serializer`` decodes the metadata, ``next_chunk_timeout`` is the default stall timeout.
+    - ``DecentralizedAverager._averaged_tensors``, ``TrainingStateAverager.main_parameters`` and
+      ``TrainingStateAverager.extra_tensors``: the shapes the downloaded tensors must have.
 ``codecs`` (decoders of incoming tensors)
     - ``hivemind.compression.serialization._BASE_COMPRESSION_TYPES``: the process-wide decoder registry, where
       :func:`lightning_swarm.compression.register_fixed_codecs` installs numpy-2.4-safe 8-bit decoders.

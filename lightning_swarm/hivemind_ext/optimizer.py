@@ -2,7 +2,7 @@
 
 Each hivemind peer runs a DHT process and two averager processes next to training. Left as they are, they take a
 good part of a CPU core even when the peer is alone, which costs training throughput wherever cores are scarce.
-SwarmOptimizer changes four things and nothing else:
+SwarmOptimizer changes five things and nothing else:
 - progress is published through :class:`~lightning_swarm.hivemind_ext.tracker.ThrottledProgressTracker` (not a
   DHT store on every local step);
 - both averagers search for groups through
@@ -10,7 +10,9 @@ SwarmOptimizer changes four things and nothing else:
 - a peer alone in the run does not pre-schedule averaging rounds: there is no one to find, and hivemind would only
   search until it cancels the round at the end of the epoch;
 - in a swarm, state averaging rounds are pre-scheduled like gradient rounds (hivemind 1.1.12 never does, see
-  ``_maybe_schedule_state_averaging``), so their group is ready when the epoch ends.
+  ``_maybe_schedule_state_averaging``), so their group is ready when the epoch ends;
+- a newcomer's state download is verified, logged and retried, and skips the gradient buffers
+  (:mod:`~lightning_swarm.hivemind_ext.state_download`).
 """
 
 from __future__ import annotations

@@ -125,6 +125,20 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
     + _symbols("hivemind.optim.state_averager", "state", [
         ("TrainingStateAverager._update_scheduler", "steps the LR schedule to a new epoch set by the monitor"),
     ])
+    + _symbols("hivemind.averaging.averager", "state_download", [
+        ("DecentralizedAverager._outer_pipe", "sends the download request to the averager's process"),
+        ("DecentralizedAverager._averaged_tensors", "shapes a plain averager's downloaded state must have"),
+        ("DecentralizedAverager._p2p", "the averager process's p2p, to call the donor"),
+        ("DecentralizedAverager.next_chunk_timeout", "default stall timeout of the download"),
+    ], instance=True)
+    + _symbols("hivemind.averaging.averager", "state_download", [
+        ("DecentralizedAverager.serializer", "decodes the donor's metadata as hivemind does"),
+        ("DecentralizedAverager._load_state_from_peers", "overridden: verified, retried, logged download"),
+    ])
+    + _symbols("hivemind.optim.state_averager", "state_download", [
+        ("TrainingStateAverager.main_parameters", "shapes the downloaded parameters must have"),
+        ("TrainingStateAverager.extra_tensors", "shapes the downloaded extra tensors must have"),
+    ], instance=True)
     + _symbols("hivemind.compression.serialization", "codecs", [
         ("_BASE_COMPRESSION_TYPES", "the decoder registry: numpy-2.4-safe 8-bit decoders are installed in it"),
     ])
