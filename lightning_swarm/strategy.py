@@ -98,8 +98,11 @@ class HivemindStrategy(SingleDeviceStrategy):
             gradients); dead peers are dropped within this time. Must be larger than matchmaking_time.
         allreduce_timeout: seconds to wait for the all-reduce itself (default: averaging_timeout).
         load_state_timeout: seconds a joining peer waits for the next part of the state from a peer before it
-            tries another one (at most 30 s, a stall: the whole download may take longer over a slow link; it
-            is retried, see :mod:`lightning_swarm.hivemind_ext.state_download`).
+            tries another one (a stall: the whole download may take much longer over a slow link; failed downloads
+            are retried, see :mod:`lightning_swarm.hivemind_ext.state_download`).
+        next_chunk_timeout: seconds an all-reduce waits for a peer's next part before it leaves that peer out of
+            the round. Default: ``matchmaking_time``, at least ``min(10, averaging_timeout / 3)``: hivemind's
+            default (``matchmaking_time``) drops parts of slow links or loaded peers ("received 95.7% results").
         delay_optimizer_step: run the optimizer step in the background, applied at a later local step
             (needs offload_optimizer).
         delay_grad_averaging: average gradients in the background (needs delay_optimizer_step).
@@ -149,7 +152,8 @@ class HivemindStrategy(SingleDeviceStrategy):
         matchmaking_time: float = 5.0,
         averaging_timeout: float = 60.0,
         allreduce_timeout: Optional[float] = None,
-        load_state_timeout: float = 600.0,
+        load_state_timeout: float = 60.0,
+        next_chunk_timeout: Optional[float] = None,
         delay_optimizer_step: Optional[bool] = None,
         delay_grad_averaging: bool = False,
         delay_state_averaging: bool = True,
@@ -176,6 +180,8 @@ class HivemindStrategy(SingleDeviceStrategy):
                                 load_state_timeout=load_state_timeout, metrics_interval=metrics_interval).items():
             if value is None or value <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if next_chunk_timeout is not None and next_chunk_timeout <= 0:
+            raise ValueError(f"next_chunk_timeout must be a positive number of seconds, got {next_chunk_timeout!r}")
         if allreduce_timeout is not None and allreduce_timeout <= 0:
             raise ValueError(f"allreduce_timeout must be a positive number of seconds, got {allreduce_timeout!r}")
         if averaging_timeout <= matchmaking_time:
@@ -223,6 +229,8 @@ class HivemindStrategy(SingleDeviceStrategy):
             averaging_timeout=averaging_timeout,
             allreduce_timeout=allreduce_timeout,
             load_state_timeout=load_state_timeout,
+            next_chunk_timeout=next_chunk_timeout if next_chunk_timeout is not None else max(
+                matchmaking_time, min(10.0, averaging_timeout / 3)),
             delay_optimizer_step=delay_optimizer_step,
             delay_grad_averaging=delay_grad_averaging,
             delay_state_averaging=delay_state_averaging,

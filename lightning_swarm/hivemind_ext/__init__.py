@@ -36,7 +36,7 @@ Every private name used is listed in :data:`~lightning_swarm.hivemind_ext.privat
 ``state_download`` (a newcomer's state download: whole tensors of the right shape, or a clear error and a retry)
     - ``DecentralizedAverager._load_state_from_peers``: overridden in the averager's process (stall timeout per
       part, part count and shape checks, progress log, retries); ``_outer_pipe`` sends it the request, ``_p2p``
-      calls the donor, ``serializer`` decodes the metadata, ``next_chunk_timeout`` is the default stall timeout.
+      calls the donor, ``serializer`` decodes the metadata.
     - ``DecentralizedAverager._averaged_tensors``, ``TrainingStateAverager.main_parameters`` and
       ``TrainingStateAverager.extra_tensors``: the shapes the downloaded tensors must have.
 ``codecs`` (decoders of incoming tensors)

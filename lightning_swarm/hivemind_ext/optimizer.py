@@ -47,7 +47,7 @@ class SwarmGradientAverager(HivemindRpcNames, ThrottledLeaderSearch, SampleWeigh
 
 class SwarmStateAverager(HivemindRpcNames, ThrottledLeaderSearch, TrainingStateAverager, VerifiedStateDownload):
     """State averager of a SwarmOptimizer: hivemind's TrainingStateAverager with a throttled leader search and a
-    verified, retried state download (``state_chunk_timeout``, ``state_download_attempts``)."""
+    verified, retried state download (``state_download_attempts``)."""
 
 
 class SwarmOptimizer(hivemind.Optimizer):

@@ -129,7 +129,6 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
         ("DecentralizedAverager._outer_pipe", "sends the download request to the averager's process"),
         ("DecentralizedAverager._averaged_tensors", "shapes a plain averager's downloaded state must have"),
         ("DecentralizedAverager._p2p", "the averager process's p2p, to call the donor"),
-        ("DecentralizedAverager.next_chunk_timeout", "default stall timeout of the download"),
     ], instance=True)
     + _symbols("hivemind.averaging.averager", "state_download", [
         ("DecentralizedAverager.serializer", "decodes the donor's metadata as hivemind does"),

@@ -1,7 +1,9 @@
 """A newcomer's state download that completes over slow links, or fails cleanly and is retried.
 
 hivemind 1.1.12's ``DecentralizedAverager._load_state_from_peers`` streams the state in 64 KiB parts and
-- waits at most ``request_timeout`` (here 1 s: ``min(3, matchmaking_time / 2)``) for each part;
+- waits at most ``request_timeout`` (here 1 s: ``min(3, matchmaking_time / 2)``) for each part, or
+  ``next_chunk_timeout`` (hivemind.Optimizer's default: ``matchmaking_time``), a few seconds that a loaded donor
+  compressing its next tensor can exceed;
 - ends a tensor at the end of the stream whether or not all its parts came: its p2p client reads a connection closed
   mid-stream (``asyncio.IncompleteReadError``) as a normal end, and the sending side stops silently when a send
   fails. A truncated tensor then fails in ``reshape`` ("shape '[49424, 192]' is invalid for input of size
@@ -10,8 +12,8 @@ hivemind 1.1.12's ``DecentralizedAverager._load_state_from_peers`` streams the s
   trains on from its own initialisation, and hivemind.Optimizer's retry loop never runs;
 - is waited for by the host process at most ``load_state_timeout`` in total, however fast data still arrives.
 
-:class:`VerifiedStateDownload` replaces that download: a part may take ``chunk_timeout`` seconds (a stall, not a
-total), every tensor must arrive with the number of parts its first part announced, the parameters must have this
+:class:`VerifiedStateDownload` replaces that download: a part may take the ``timeout`` the host passes (hivemind.Optimizer:
+``load_state_timeout``; a stall, not a total), every tensor must arrive with the number of parts its first part announced, the parameters must have this
 peer's shapes, progress (MB, MB/s) is logged every few seconds, failed donors are retried with a backoff, and if all
 attempts fail the host gets an exception, so hivemind.Optimizer logs it and starts over. Nothing partial is ever
 deserialised or loaded.
@@ -33,7 +35,9 @@ from hivemind.utils import MPFuture, get_logger
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
 
-logger = get_logger(__name__)
+# the download runs in hivemind's averager process: log under hivemind's logger, where its handler (HIVEMIND_LOGLEVEL)
+# shows the messages next to hivemind's own
+logger = get_logger("hivemind.averaging.verified_state_download")
 
 DEFAULT_CHUNK_TIMEOUT = 30.0  # seconds without a single part from the donor: a stall, not a slow link
 DEFAULT_ATTEMPTS = 3  # rounds over all donors per call; hivemind.Optimizer calls again after an exception
@@ -93,19 +97,14 @@ class VerifiedStateDownload(DecentralizedAverager):
     it then sits between TrainingStateAverager and DecentralizedAverager, where the download happens.
 
     Args:
-        state_chunk_timeout: seconds to wait for the next part of the state before giving up on a donor (default:
-            ``next_chunk_timeout`` if set, else 30 s).
         state_download_attempts: rounds over all donors before the host gets a StateDownloadError.
         *args, **kwargs: as the averager class this is mixed into.
     """
 
-    def __init__(self, *args, state_chunk_timeout: Optional[float] = None, state_download_attempts: int = DEFAULT_ATTEMPTS,
-                 **kwargs):
-        if state_chunk_timeout is not None and state_chunk_timeout <= 0:
-            raise ValueError(f"state_chunk_timeout must be > 0 seconds, got {state_chunk_timeout!r}")
+    def __init__(self, *args, state_download_attempts: int = DEFAULT_ATTEMPTS, **kwargs):
         if state_download_attempts < 1:
             raise ValueError(f"state_download_attempts must be >= 1, got {state_download_attempts!r}")
-        self.state_chunk_timeout, self.state_download_attempts = state_chunk_timeout, state_download_attempts
+        self.state_download_attempts = state_download_attempts
         super().__init__(*args, **kwargs)  # may start the averager's process: set everything it reads before
 
     def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None):
@@ -171,9 +170,7 @@ class VerifiedStateDownload(DecentralizedAverager):
         return metadata, tensors
 
     async def _load_state_from_peers(self, future: MPFuture, timeout: Optional[float] = None):
-        chunk_timeout = self.state_chunk_timeout or self.next_chunk_timeout or DEFAULT_CHUNK_TIMEOUT
-        if timeout is not None:
-            chunk_timeout = min(chunk_timeout, timeout)
+        chunk_timeout = timeout if timeout is not None else DEFAULT_CHUNK_TIMEOUT
         errors = []
         try:
             for attempt in range(self.state_download_attempts):

@@ -1,0 +1,187 @@
+"""Benchmarks over shaped links (figures printed, nothing asserted): two peers, each in its own network namespace
+behind a link of a profile of tests/lightning_swarm/netns_harness.py (datacenter 1 Gbit/s, home 50, poor 10).
+
+1. averaging: seconds per averaging round (hivemind DecentralizedAverager, 10 equal fp32 tensors) for the codecs
+   none / fp16 / adaptive (our default, 8-bit for large tensors), next to the bound: the bytes each peer must send
+   (and receive: the links are full duplex) divided by the link rate. With 2 peers each sends the half of the
+   tensors the other reduces and receives it back averaged: bytes_on_wire / 2 each way.
+2. state: a newcomer's download (lightning_swarm's verified download) of an uncompressed state, seconds and MB/s,
+   and the 1b recipe's state at that rate (its 144M unique parameters + 2 AdamW statistics, fp32).
+
+Run (root, iproute2):  python tests/benchmarks/bench_network.py [averaging|state|all]
+     BENCH_PROFILES=home,poor BENCH_SIZES=25,144 BENCH_ROUNDS=2 python tests/benchmarks/bench_network.py averaging
+     BENCH_STATE_MPARAMS=25 python tests/benchmarks/bench_network.py state
+The links have no propagation delay and no loss (no netem in this kernel): the figures are bandwidth- and CPU-bound.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paths import REPO  # noqa: E402
+
+sys.path.insert(0, str(REPO / "tests" / "lightning_swarm"))
+from netns_harness import PROFILES, shaped_network  # noqa: E402
+
+PROFILE_NAMES = os.environ.get("BENCH_PROFILES", "datacenter,home,poor").split(",")
+SIZES_M = [int(size) for size in os.environ.get("BENCH_SIZES", "25,144").split(",")]
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "2"))
+STATE_MPARAMS = int(os.environ.get("BENCH_STATE_MPARAMS", "25"))
+ONE_B_STATE_BYTES = 144e6 * 4 * 3  # 1b recipe: unique parameters + AdamW's two statistics, fp32
+NUM_TENSORS = 10
+
+
+def _codec(name: str):
+    from hivemind.compression import Float16Compression, NoCompression
+
+    from lightning_swarm.compression import default_compression
+
+    return {"none": NoCompression(), "fp16": Float16Compression(), "adaptive": default_compression()}[name]
+
+
+def _tensors(num_params: int, fill: str):
+    import torch
+
+    torch.manual_seed(0)
+    make = torch.randn if fill == "randn" else torch.zeros
+    return [make(num_params // NUM_TENSORS) for _ in range(NUM_TENSORS)]
+
+
+def wire_bytes(codec_name: str, num_params: int) -> int:
+    """Bytes of all tensors once encoded by the codec (measured on one tensor, times NUM_TENSORS)."""
+    from hivemind.compression import CompressionInfo
+
+    tensor = _tensors(num_params, "randn")[0]
+    return _codec(codec_name).compress(tensor, CompressionInfo.from_tensor(tensor)).ByteSize() * NUM_TENSORS
+
+
+# ------------------------------------------------------------------------------------------- worker processes
+def _dht(address: str, initial_peer: str):
+    import hivemind
+
+    dht = hivemind.DHT(initial_peers=[initial_peer] if initial_peer else None, host_maddrs=[f"/ip4/{address}/tcp/0"],
+                       start=True)
+    if not initial_peer:
+        print("MADDR", dht.get_visible_maddrs()[0], flush=True)
+    return dht
+
+
+def averaging_peer(address: str, initial_peer: str, codec: str, num_params: int, rounds: int) -> None:
+    import hivemind
+
+    dht = _dht(address, initial_peer)
+    averager = hivemind.averaging.DecentralizedAverager(
+        _tensors(num_params, "randn"), dht=dht, prefix="bench_net", target_group_size=2, min_matchmaking_time=3.0,
+        request_timeout=1.5, next_chunk_timeout=30.0, compression=_codec(codec), start=True)
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        averager.step(timeout=900)
+        times.append(time.perf_counter() - start)
+    print("RESULT", json.dumps(times), flush=True)
+    time.sleep(3)  # let the other peer finish its last round
+    averager.shutdown()
+    dht.shutdown()
+
+
+def state_peer(address: str, initial_peer: str, num_params: int) -> None:
+    from lightning_swarm.hivemind_ext.state_download import VerifiedStateDownload
+
+    dht = _dht(address, initial_peer)
+    donor = not initial_peer
+    averager = VerifiedStateDownload(_tensors(num_params, "randn" if donor else "zeros"), dht=dht, prefix="bench_state",
+                                     start=True)
+    if donor:
+        time.sleep(3600)  # serves until killed
+    time.sleep(5)  # the donor's declaration reaches this DHT
+    start = time.perf_counter()
+    loaded = averager.load_state_from_peers(timeout=60)
+    elapsed = time.perf_counter() - start
+    size = sum(tensor.numel() * 4 for tensor in loaded[1])
+    print("RESULT", json.dumps({"seconds": elapsed, "bytes": size}), flush=True)
+    averager.shutdown()
+    dht.shutdown()
+
+
+def run_pair(net, first_args: list, second_args, timeout: float = 1800) -> list:
+    """Peer 0 runs `first_args`, peer 1 `second_args(maddr of peer 0)`; returns peer 1's (and 0's) RESULT lines."""
+    me = [sys.executable, __file__]
+    env = dict(os.environ, PYTHONPATH=str(REPO))  # this checkout's lightning_swarm, whatever is pip-installed
+    first = subprocess.Popen(net.command(0, me + first_args), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                             text=True, start_new_session=True, env=env)
+    second = None
+    try:
+        maddr = next((line.split()[1] for line in first.stdout if line.startswith("MADDR")), None)
+        if maddr is None:
+            raise RuntimeError("the first peer printed no MADDR")
+        second = subprocess.Popen(net.command(1, me + second_args(maddr)), stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, text=True, start_new_session=True, env=env)
+        out_second, _ = second.communicate(timeout=timeout)
+        results = [json.loads(line.split(" ", 1)[1]) for line in out_second.splitlines() if line.startswith("RESULT")]
+        return results
+    finally:
+        for process in (first, second):
+            if process is not None and process.poll() is None:
+                os.killpg(process.pid, 9)
+                process.wait()
+
+
+# ------------------------------------------------------------------------------------------------ benchmarks
+def bench_averaging() -> None:
+    print(f"== averaging round, 2 peers, {ROUNDS} rounds (seconds per round at the second peer) vs bandwidth bound")
+    print(f"{'profile':10s} {'Mparams':>7s} {'codec':9s} {'MB/peer/dir':>11s} {'bound s':>8s} {'rounds s':>16s} "
+          f"{'best/bound':>10s}")
+    for profile in PROFILE_NAMES:
+        link = PROFILES[profile]
+        for size in SIZES_M:
+            num_params = size * 1_000_000
+            for codec in ("adaptive", "fp16", "none"):
+                per_direction = wire_bytes(codec, num_params) / 2
+                bound = per_direction / link.bytes_per_second
+                with shaped_network([profile, profile]) as net:
+                    args = lambda initial: ["averaging-peer", net.addresses[1 if initial else 0], initial, codec,
+                                            str(num_params), str(ROUNDS)]
+                    results = run_pair(net, args(""), args)
+                times = results[0] if results else []
+                shown = ", ".join(f"{t:.1f}" for t in times) or "failed"
+                ratio = f"{min(times) / bound:.2f}" if times else "-"
+                print(f"{profile:10s} {size:7d} {codec:9s} {per_direction / 1e6:11.1f} {bound:8.2f} {shown:>16s} "
+                      f"{ratio:>10s}", flush=True)
+
+
+def bench_state() -> None:
+    num_params = STATE_MPARAMS * 1_000_000
+    print(f"== newcomer's state download, {STATE_MPARAMS}M fp32 parameters uncompressed "
+          f"({num_params * 4 / 1e6:.0f} MB), and the 1b recipe's state ({ONE_B_STATE_BYTES / 1e9:.2f} GB) at that rate")
+    print(f"{'profile':10s} {'link MB/s':>9s} {'seconds':>8s} {'MB/s':>6s} {'of link':>7s} {'1b state, min':>13s}")
+    for profile in PROFILE_NAMES:
+        link = PROFILES[profile]
+        with shaped_network([profile, profile]) as net:
+            results = run_pair(net, ["state-peer", net.addresses[0], "", str(num_params)],
+                               lambda maddr: ["state-peer", net.addresses[1], maddr, str(num_params)])
+        if not results:
+            print(f"{profile:10s} failed", flush=True)
+            continue
+        rate = results[0]["bytes"] / results[0]["seconds"]
+        print(f"{profile:10s} {link.bytes_per_second / 1e6:9.2f} {results[0]['seconds']:8.1f} {rate / 1e6:6.2f} "
+              f"{rate / link.bytes_per_second:7.2f} {ONE_B_STATE_BYTES / rate / 60:13.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    command = sys.argv[1] if len(sys.argv) > 1 else "all"
+    if command == "averaging-peer":
+        averaging_peer(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6]))
+    elif command == "state-peer":
+        state_peer(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    else:
+        print(f"load average at start: {os.getloadavg()}", flush=True)
+        if command in ("averaging", "all"):
+            bench_averaging()
+        if command in ("state", "all"):
+            bench_state()

@@ -1,0 +1,145 @@
+"""Two DALL-E recipe peers, each in its own network namespace behind a shaped link (tests/lightning_swarm/
+netns_harness.py), train together: the newcomer downloads the whole state over the link, both see 2 peers, and they
+hold equal parameters after the same global steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from netns_harness import network_harness_available, shaped_network
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(bool(network_harness_available()), reason=network_harness_available() or "ok")]
+
+REPO = Path(__file__).resolve().parents[2]
+JOIN_OPTION = re.compile(r"--trainer\.strategy\.init_args\.initial_peers='(\[.*?\])'")
+STOP_AT_EPOCH = 3
+
+
+def recipe_overlay(out_dir: Path, data_dir: Path, barrier_dir: Path, host_maddrs: list, initial_peers=None) -> Path:
+    """A second --config for configs/dalle_tiny.yaml: the tiny recipe's model (its full 49424-token text embedding,
+    the tensor that arrived truncated in issue 16), few samples, fp32, a recorder of each global epoch."""
+    # uncompressed: both peers receive the very same averaged gradient, so their parameters stay equal
+    strategy = {"host_maddrs": host_maddrs, "averaging_timeout": 60.0, "matchmaking_time": 3.0,
+                "load_state_timeout": 30.0, "target_batch_size": 16, "compression": "none"}
+    if initial_peers:
+        strategy["initial_peers"] = initial_peers
+    overlay = {
+        "trainer": {
+            "precision": "32-true", "max_steps": 200, "num_sanity_val_steps": 0, "limit_val_batches": 0,
+            "enable_progress_bar": False, "enable_checkpointing": False, "logger": False,
+            "default_root_dir": str(out_dir),
+            "strategy": {"init_args": strategy},
+            "callbacks": [{"class_path": "peer_worker.SwarmRecorder",
+                           "init_args": {"out_dir": str(out_dir), "stop_at_epoch": STOP_AT_EPOCH, "max_seconds": 400,
+                                         "barrier_dir": str(barrier_dir), "barrier_count": 2}}],
+        },
+        "data": {"init_args": {"batch_size": 8, "num_shapes_train": 256, "num_shapes_val": 16, "shuffle_buffer": 16,
+                               "data_dir": str(data_dir), "seed": 0}},
+    }
+    path = out_dir / "overlay.yaml"
+    path.write_text(yaml.safe_dump(overlay))
+    return path
+
+
+class RecipePeer:
+    """`python -m recipes.dalle fit` inside a namespace; its log, recorded events and parameters."""
+
+    def __init__(self, net, index: int, out_dir: Path, overlay: Path):
+        self.out_dir = out_dir
+        self.log_path = out_dir / "log.txt"
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), str(REPO)]),
+                   PEER_TORCH_THREADS="1", OMP_NUM_THREADS="1")
+        env.pop("LIGHTNING_SWARM_INITIAL_PEERS", None)
+        self._log = open(self.log_path, "w")
+        argv = [sys.executable, "-m", "recipes.dalle", "fit", "--config", str(REPO / "configs/dalle_tiny.yaml"),
+                "--config", str(overlay)]
+        self.process = subprocess.Popen(net.command(index, argv), stdout=self._log, stderr=subprocess.STDOUT,
+                                        env=env, cwd=REPO, start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def events(self) -> list:
+        path = self.out_dir / "events.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def params(self, epoch: int) -> dict:
+        return load_file(str(self.out_dir / f"params_{epoch}.safetensors"))
+
+    def join_peers(self, timeout: float) -> list:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = JOIN_OPTION.search(self.log())
+            if match:
+                return json.loads(match.group(1))
+            assert self.process.poll() is None, self.log()[-4000:]
+            time.sleep(0.5)
+        raise TimeoutError(self.log()[-4000:])
+
+    def wait(self, timeout: float) -> None:
+        try:
+            code = self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"still running after {timeout} s:\n{self.log()[-4000:]}") from None
+        assert code == 0, self.log()[-4000:]
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait(timeout=30)
+        self._log.close()
+
+
+def test_two_recipe_peers_train_together_over_home_links(tmp_path):
+    peers = []
+    with shaped_network(["home", "home"]) as net:
+        try:
+            dirs = [tmp_path / name for name in ("first", "second")]
+            for path in dirs:
+                path.mkdir()
+            barrier = tmp_path / "barrier"
+            first = RecipePeer(net, 0, dirs[0], recipe_overlay(dirs[0], tmp_path / "data", barrier,
+                                                                net.host_maddrs(0)))
+            peers.append(first)
+            join = first.join_peers(timeout=180)
+            assert all(net.addresses[0] in address for address in join), join  # reachable on its link only
+            second = RecipePeer(net, 1, dirs[1], recipe_overlay(dirs[1], tmp_path / "data", barrier,
+                                                                 net.host_maddrs(1), initial_peers=join))
+            peers.append(second)
+            for peer in peers:
+                peer.wait(timeout=480)
+        finally:
+            for peer in peers:
+                peer.kill()
+
+    log = second.log()
+    assert re.search(r"Downloaded state from \S+: [\d.]+ MB", log), log[-4000:]
+    assert "truncated" not in log and "Failed to download state" not in log, log[-4000:]
+    for peer in peers:
+        events = peer.events()
+        assert max(event["epoch"] for event in events) >= STOP_AT_EPOCH, events
+        assert max(event.get("peers", 0) for event in events) == 2, events
+    common = sorted({e["epoch"] for e in first.events()} & {e["epoch"] for e in second.events()} - {0})
+    assert common, (first.events(), second.events())
+    # from the newcomer's start (the downloaded state) on: hivemind serves its optimizer's copy of the parameters,
+    # which its zero-gradient initial step moved by AdamW's weight decay (lr * 0.01, ~1e-7) from the module's
+    start = second.events()[0]["epoch"]
+    for epoch in [start, *common]:
+        a, b = first.params(epoch), second.params(epoch)
+        worst = max((a[name] - b[name]).abs().max().item() for name in a)
+        assert worst < 1e-5, (epoch, worst)
