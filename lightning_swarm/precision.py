@@ -93,7 +93,8 @@ def choose_precision(facts: HardwareFacts) -> Tuple[str, str]:
     return "32-true", f"{facts.device}: mixed precision is not used there"
 
 
-def _cpu_arch() -> str:
+def cpu_arch() -> str:
+    """"x86", "arm" or "other": this machine's CPU architecture."""
     machine = platform.machine().lower()
     if machine in ("x86_64", "amd64", "i386", "i686"):
         return "x86"
@@ -129,7 +130,7 @@ def probe_hardware(accelerator: Any = "auto") -> HardwareFacts:
     return HardwareFacts(
         device=device,
         cuda_capability=tuple(torch.cuda.get_device_capability()) if device == "cuda" else None,
-        cpu_arch=_cpu_arch(),
+        cpu_arch=cpu_arch(),
         cpu_capability=torch.backends.cpu.get_cpu_capability(),
         avx512_bf16=_probe("torch.cpu._is_avx512_bf16_supported"),
         amx=_probe("torch.cpu._is_amx_tile_supported"),

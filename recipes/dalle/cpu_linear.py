@@ -9,18 +9,31 @@ would between any two BLAS libraries (relative differences ~1e-6, tested in test
 
 Falls back to ``F.linear`` for anything else: other devices and dtypes, under autocast (bf16-mixed keeps
 autocast's own casting and kernels), or when this PyTorch build has no oneDNN.
+
+Which kernel runs is chosen once from the measured CPU (:func:`kernel_choice`, a pure function of
+:class:`CPUFacts`; figures from ``tests/benchmarks/bench_cpu_linear.py``, table in docs/precision.md):
+
+- x86 with AVX-512 from AMD: oneDNN (MKL takes its AVX2 path there; oneDNN ~2x at the DALL-E's shapes);
+- x86 with AVX2 only: see KERNEL_BY_CPU (measured on a 2-core AMD EPYC with AVX2);
+- any other CPU (Intel AVX-512, ARM, no oneDNN): ``F.linear``, the baseline, where oneDNN was not measured faster.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["linear", "linear_cross_entropy", "onednn_available", "use_onednn"]
+from lightning_swarm.precision import cpu_arch
 
-_enabled = True
+__all__ = ["CPUFacts", "cpu_facts", "kernel_choice", "linear", "linear_cross_entropy", "onednn_available",
+           "use_onednn"]
+
+log = logging.getLogger(__name__)
+ONEDNN, F_LINEAR = "onednn", "F.linear"
 
 
 def onednn_available() -> bool:
@@ -28,12 +41,63 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+@dataclass(frozen=True)
+class CPUFacts:
+    """What the kernel choice depends on.
+
+    Args:
+        arch: "x86", "arm" or "other".
+        vendor: the x86 vendor string ("AuthenticAMD", "GenuineIntel"), "" if unknown.
+        capability: ATen's kernel level, ``torch.backends.cpu.get_cpu_capability()`` ("AVX2", "AVX512", ...);
+            ``ATEN_CPU_CAPABILITY=avx2`` lowers it, as on a laptop.
+        onednn: this PyTorch build has oneDNN's linear (``onednn_available()``).
+    """
+
+    arch: str
+    vendor: str
+    capability: str
+    onednn: bool
+
+
+# (arch, vendor, capability) -> kernel, measured with tests/benchmarks/bench_cpu_linear.py; anything else: F.linear
+KERNEL_BY_CPU = {
+    ("x86", "AuthenticAMD", "AVX512"): ONEDNN,   # ~2x (bench_dalle_train.py on an AVX-512 EPYC)
+    ("x86", "AuthenticAMD", "AVX2"): F_LINEAR,
+}
+
+
+def kernel_choice(facts: CPUFacts) -> str:
+    """``"onednn"`` or ``"F.linear"``: the faster fp32 linear on a CPU with these facts."""
+    if not facts.onednn:
+        return F_LINEAR
+    return KERNEL_BY_CPU.get((facts.arch, facts.vendor, facts.capability), F_LINEAR)
+
+
+def _x86_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def cpu_facts() -> CPUFacts:
+    """This machine's :class:`CPUFacts`."""
+    arch = cpu_arch()
+    return CPUFacts(arch=arch, vendor=_x86_vendor() if arch == "x86" else "",
+                    capability=torch.backends.cpu.get_cpu_capability(), onednn=onednn_available())
+
+
 _AVAILABLE = onednn_available()
+_enabled = kernel_choice(cpu_facts()) == ONEDNN
 
 
 @contextlib.contextmanager
 def use_onednn(enabled: bool):
-    """Context manager switching the oneDNN path on or off (e.g. to compare against ``F.linear``).
+    """Context manager switching the oneDNN path on or off, whatever ``kernel_choice`` picked for this CPU.
 
     Args:
         enabled: True routes eligible fp32 CPU linears through oneDNN; False always uses ``F.linear``.
@@ -47,8 +111,10 @@ def use_onednn(enabled: bool):
 
 
 def _matmul_transposed(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``a @ b.T (+ bias)`` in oneDNN: a ``[..., K]``, b ``[N, K]`` (any strides), bias ``[N]`` -> ``[..., N]``."""
-    return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
+    """``a @ b.T (+ bias)`` in the chosen kernel: a ``[..., K]``, b ``[N, K]`` (any strides), bias ``[N]``."""
+    if _enabled and _AVAILABLE:
+        return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
+    return F.linear(a, b, bias)
 
 
 class _OneDNNLinear(torch.autograd.Function):
@@ -79,11 +145,9 @@ class _OneDNNLinear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
-def _onednn_eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def _fp32_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return (
-        _enabled
-        and _AVAILABLE
-        and x.device.type == "cpu"
+        x.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
         and (bias is None or bias.dtype == torch.float32)
         and x.dim() >= 2
@@ -92,8 +156,13 @@ def _onednn_eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     )
 
 
+def _onednn_eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return _enabled and _AVAILABLE and _fp32_cpu(x, weight, bias)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, computed by oneDNN for fp32 CPU tensors outside autocast.
+    """``F.linear(x, weight, bias)``, computed by oneDNN for fp32 CPU tensors outside autocast where
+    ``kernel_choice`` picked oneDNN for this CPU.
 
     Args:
         x: input ``[..., in_features]``.
@@ -150,8 +219,9 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                          target: torch.Tensor) -> torch.Tensor:
     """``F.cross_entropy(F.linear(x, weight, bias), target)`` (mean over every position), in fp32.
 
-    fp32 CPU tensors outside autocast take the oneDNN path with the logits buffer reused in backward (see
-    ``_LinearCrossEntropy``); anything else computes the logits with ``linear`` and the loss in fp32.
+    fp32 CPU tensors outside autocast reuse the logits buffer in backward (see ``_LinearCrossEntropy``; its
+    matmuls run in the kernel chosen for this CPU); anything else computes the logits with ``linear`` and the
+    loss in fp32.
 
     Args:
         x: features ``[..., in_features]``.
@@ -159,7 +229,7 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         bias: ``[num_classes]`` or None.
         target: class ids, ``x.shape[:-1]``.
     """
-    if _onednn_eligible(x, weight, bias):
+    if _fp32_cpu(x, weight, bias):
         return _LinearCrossEntropy.apply(x, weight, bias, target)
     logits = linear(x, weight, bias)
     return F.cross_entropy(logits.flatten(0, -2).float(), target.flatten())

@@ -4,7 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from recipes.dalle.cpu_linear import linear, linear_cross_entropy, onednn_available, use_onednn
+from recipes.dalle import cpu_linear
+from recipes.dalle.cpu_linear import (CPUFacts, cpu_facts, kernel_choice, linear, linear_cross_entropy,
+                                      onednn_available, use_onednn)
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN")
 
@@ -26,7 +28,8 @@ def test_values_and_gradients_match_float64_like_f_linear(shape, out_features, w
     grad_out = torch.randn(*shape[:-1], out_features)
     inputs = [t for t in (x, weight, bias) if t is not None]
 
-    out = linear(x, weight, bias)
+    with use_onednn(True):  # whatever this CPU's choice, the oneDNN kernel must be right
+        out = linear(x, weight, bias)
     assert out.grad_fn is not None and "OneDNN" in type(out.grad_fn).__name__  # the oneDNN path really ran
     grads = torch.autograd.grad(out, inputs, grad_out)
     x64 = [t.detach().double().requires_grad_() for t in inputs]
@@ -45,7 +48,8 @@ def test_only_the_needed_gradients_are_computed_and_noncontiguous_inputs_work():
     torch.manual_seed(0)
     x = torch.randn(16, 6, 10).transpose(0, 1)  # not contiguous
     weight = torch.randn(12, 10, requires_grad=True)
-    out = linear(x, weight)
+    with use_onednn(True):
+        out = linear(x, weight)
     (grad_weight,) = torch.autograd.grad(out.square().sum(), [weight])
     expected = torch.autograd.grad(F.linear(x, weight).square().sum(), [weight])[0]
     torch.testing.assert_close(grad_weight, expected, rtol=1e-5, atol=1e-5)
@@ -64,8 +68,9 @@ def test_falls_back_to_f_linear_under_autocast_for_other_dtypes_and_when_disable
     torch.testing.assert_close(out, F.linear(x, weight))
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["onednn", "f-linear"])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_linear_cross_entropy_matches_float64_cross_entropy_and_gradients(with_bias):
+def test_linear_cross_entropy_matches_float64_cross_entropy_and_gradients(with_bias, kernel):
     torch.manual_seed(0)
     x = torch.randn(3, 37, 16, requires_grad=True)  # 111 rows: several chunks of the row-wise passes
     weight = (torch.randn(500, 16) * 3).requires_grad_()  # large logits: the log-sum-exp must be stable
@@ -73,10 +78,10 @@ def test_linear_cross_entropy_matches_float64_cross_entropy_and_gradients(with_b
     target = torch.randint(0, 500, (3, 37))
     inputs = [t for t in (x, weight, bias) if t is not None]
 
-    loss = linear_cross_entropy(x, weight, bias, target)
-    if onednn_available():
-        assert "LinearCrossEntropy" in type(loss.grad_fn).__name__
-    grads = torch.autograd.grad(loss * 2.5, inputs)  # a non-unit upstream gradient
+    with use_onednn(kernel and onednn_available()):
+        loss = linear_cross_entropy(x, weight, bias, target)
+        assert "LinearCrossEntropy" in type(loss.grad_fn).__name__  # the fused path, in either kernel
+        grads = torch.autograd.grad(loss * 2.5, inputs)  # a non-unit upstream gradient
     x64 = [t.detach().double().requires_grad_() for t in inputs]
     logits64 = F.linear(x64[0], x64[1], x64[2] if with_bias else None)
     loss64 = F.cross_entropy(logits64.flatten(0, 1), target.flatten())
@@ -93,12 +98,38 @@ def test_linear_cross_entropy_refuses_a_second_backward_and_falls_back_under_aut
     target = torch.randint(0, 6, (4,))
     loss = linear_cross_entropy(x, weight, None, target)
     loss.backward(retain_graph=True)
-    if onednn_available():  # the logits buffer became the gradient: a second backward would be wrong
-        with pytest.raises(RuntimeError, match="only once"):
-            loss.backward()
+    with pytest.raises(RuntimeError, match="only once"):  # the logits buffer became the gradient
+        loss.backward()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = linear_cross_entropy(x, weight, None, target)
         logits = F.linear(x, weight)
     assert loss.dtype == torch.float32 and logits.dtype == torch.bfloat16  # bf16 logits, loss in fp32
     expected = F.cross_entropy(logits.float(), target)
     torch.testing.assert_close(loss, expected)
+
+
+AMD_AVX512 = CPUFacts(arch="x86", vendor="AuthenticAMD", capability="AVX512", onednn=True)
+AMD_AVX2 = CPUFacts(arch="x86", vendor="AuthenticAMD", capability="AVX2", onednn=True)
+INTEL_AVX512 = CPUFacts(arch="x86", vendor="GenuineIntel", capability="AVX512", onednn=True)
+INTEL_AVX2 = CPUFacts(arch="x86", vendor="GenuineIntel", capability="AVX2", onednn=True)
+ARM = CPUFacts(arch="arm", vendor="", capability="DEFAULT", onednn=True)
+ARM_SVE = CPUFacts(arch="arm", vendor="", capability="SVE256", onednn=True)
+NO_ONEDNN = CPUFacts(arch="x86", vendor="AuthenticAMD", capability="AVX512", onednn=False)
+
+
+@pytest.mark.parametrize("facts, expected", [
+    (AMD_AVX512, "onednn"), (AMD_AVX2, cpu_linear.KERNEL_BY_CPU[("x86", "AuthenticAMD", "AVX2")]),
+    (INTEL_AVX512, "F.linear"), (INTEL_AVX2, "F.linear"), (ARM, "F.linear"), (ARM_SVE, "F.linear"),
+    (NO_ONEDNN, "F.linear"),
+], ids=["amd-avx512", "amd-avx2", "intel-avx512", "intel-avx2", "arm", "arm-sve", "no-onednn"])
+def test_kernel_choice_table(facts, expected):
+    """oneDNN only where it was measured faster than F.linear (tests/benchmarks/bench_cpu_linear.py)."""
+    assert kernel_choice(facts) == expected
+
+
+def test_this_cpu_runs_the_kernel_chosen_for_it():
+    facts = cpu_facts()
+    assert facts.capability == torch.backends.cpu.get_cpu_capability() and facts.onednn == onednn_available()
+    x, weight = torch.randn(4, 8, requires_grad=True), torch.randn(3, 8)
+    ran_onednn = "OneDNN" in type(linear(x, weight).grad_fn).__name__
+    assert ran_onednn == (kernel_choice(facts) == "onednn")
