@@ -2,8 +2,8 @@
 
 Prints, per shape of the DALL-E configs, the median time of each path and the ratio F.linear / oneDNN (> 1: oneDNN
 is faster), measured alternately in one process; then the same for the fused linear + cross-entropy
-(``linear_cross_entropy`` in either kernel against ``F.cross_entropy(F.linear(...))``) and the kernel that
-``cpu_linear`` picks on this CPU (``kernel_choice``).
+(``linear_cross_entropy``'s fused path in either kernel against ``F.cross_entropy(F.linear(...))``, which sets
+``FUSED_MIN_CLASSES``) and the kernel that ``cpu_linear`` picks on this CPU (``kernel_choice``).
 
 The default clock is this process's CPU time on one thread: on a shared machine (other processes on the same cores)
 wall time mostly measures the others; CPU time measures the kernels. ``--clock wall --threads 2`` measures what a
@@ -70,8 +70,8 @@ def cross_entropy_step(kind, x, weight, bias, target):
         if kind == "plain":
             loss = F.cross_entropy(F.linear(x, weight, bias), target)
         else:
-            with cpu_linear.use_onednn(kind == "fused oneDNN"):
-                loss = cpu_linear.linear_cross_entropy(x, weight, bias, target)
+            with cpu_linear.use_onednn(kind == "fused oneDNN"):  # the fused path whatever FUSED_MIN_CLASSES says
+                loss = cpu_linear._LinearCrossEntropy.apply(x, weight, bias, target)
         torch.autograd.grad(loss, [x, weight, bias])
     return step
 
@@ -95,12 +95,21 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=3, help="steps per round and path (default: 3)")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                         help="cpu: this process's CPU time (robust to other load); wall: elapsed time")
+    parser.add_argument("--part", choices=("all", "linear", "cross-entropy"), default="all", help="what to measure")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     facts = cpu_linear.cpu_facts()
     print(f"CPU: {facts}, torch {torch.__version__}, {args.threads} threads, {args.clock} time, "
           f"load average {os.getloadavg()[0]:.1f}")
+    if args.part in ("all", "linear"):
+        measure_linears(args)
+    if args.part in ("all", "cross-entropy"):
+        measure_cross_entropy(args)
+    print(f"\nkernel_choice on this CPU: {cpu_linear.kernel_choice(facts)!r}")
+
+
+def measure_linears(args) -> None:
     print(f"{'linear fwd+bwd':<20} {'rows x in -> out':>22} {'F.linear ms':>12} {'oneDNN ms':>10} {'F/oneDNN':>9}")
     ratios = []
     for name, rows, in_features, out_features, with_bias in SHAPES:
@@ -118,6 +127,8 @@ def main() -> None:
               f"{plain_ms / fast_ms:>9.2f}")
     print(f"geometric mean F.linear / oneDNN: {statistics.geometric_mean(ratios):.2f}")
 
+
+def measure_cross_entropy(args) -> None:
     kinds = ("plain", "fused F.linear", "fused oneDNN")
     print(f"\n{'cross-entropy':<20} {'rows x in -> classes':>22} " + " ".join(f"{k + ' ms':>17}" for k in kinds)
           + f" {'plain/fused F':>14} {'plain/fused oneDNN':>19}")
@@ -133,7 +144,6 @@ def main() -> None:
         print(f"{name:<20} {f'{rows} x {in_features} -> {classes}':>22} "
               + " ".join(f"{ms[k]:>17.2f}" for k in kinds)
               + f" {ms['plain'] / ms['fused F.linear']:>14.2f} {ms['plain'] / ms['fused oneDNN']:>19.2f}")
-    print(f"\nkernel_choice on this CPU: {cpu_linear.kernel_choice(facts)!r}")
 
 
 if __name__ == "__main__":

@@ -70,7 +70,8 @@ def test_falls_back_to_f_linear_under_autocast_for_other_dtypes_and_when_disable
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["onednn", "f-linear"])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_linear_cross_entropy_matches_float64_cross_entropy_and_gradients(with_bias, kernel):
+def test_linear_cross_entropy_matches_float64_cross_entropy_and_gradients(with_bias, kernel, monkeypatch):
+    monkeypatch.setattr(cpu_linear, "FUSED_MIN_CLASSES", 1)  # the fused path at a small size
     torch.manual_seed(0)
     x = torch.randn(3, 37, 16, requires_grad=True)  # 111 rows: several chunks of the row-wise passes
     weight = (torch.randn(500, 16) * 3).requires_grad_()  # large logits: the log-sum-exp must be stable
@@ -93,7 +94,8 @@ def test_linear_cross_entropy_matches_float64_cross_entropy_and_gradients(with_b
         assert (ours.double() - exact).abs().max().item() <= 1e-5 * exact.abs().max().item()
 
 
-def test_linear_cross_entropy_refuses_a_second_backward_and_falls_back_under_autocast():
+def test_linear_cross_entropy_refuses_a_second_backward_and_falls_back_under_autocast(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "FUSED_MIN_CLASSES", 1)
     x, weight = torch.randn(4, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True)
     target = torch.randint(0, 6, (4,))
     loss = linear_cross_entropy(x, weight, None, target)
@@ -106,6 +108,16 @@ def test_linear_cross_entropy_refuses_a_second_backward_and_falls_back_under_aut
     assert loss.dtype == torch.float32 and logits.dtype == torch.bfloat16  # bf16 logits, loss in fp32
     expected = F.cross_entropy(logits.float(), target)
     torch.testing.assert_close(loss, expected)
+
+
+def test_few_classes_take_f_cross_entropy():
+    """Below FUSED_MIN_CLASSES (measured: the row-chunked passes lose to F.cross_entropy there) the loss is
+    F.cross_entropy's, gradients through autograd."""
+    x, weight = torch.randn(8, 16, requires_grad=True), torch.randn(cpu_linear.FUSED_MIN_CLASSES - 1, 16)
+    target = torch.randint(0, len(weight), (8,))
+    loss = linear_cross_entropy(x, weight, None, target)
+    assert "LinearCrossEntropy" not in type(loss.grad_fn).__name__
+    torch.testing.assert_close(loss, F.cross_entropy(F.linear(x, weight), target))
 
 
 AMD_AVX512 = CPUFacts(arch="x86", vendor="AuthenticAMD", capability="AVX512", onednn=True)
