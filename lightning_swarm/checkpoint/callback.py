@@ -32,6 +32,33 @@ def _optimizer_state(optimizer: Any) -> dict:
     return optimizer.state_dict()
 
 
+_LOSS_SCALER_KEYS = {"scale": float, "growth_factor": float, "backoff_factor": float, "growth_interval": int,
+                     "_growth_tracker": int}
+
+
+def _loss_scale_meta(trainer: "pl.Trainer") -> dict:
+    """{"loss_scaler": the fp16 GradScaler's state} under precision 16-mixed (plain numbers, for meta.json)."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return {}
+    return {"loss_scaler": {key: cast(value) for key, value in scaler.state_dict().items()
+                            if (cast := _LOSS_SCALER_KEYS.get(key)) is not None}}
+
+
+def _load_loss_scale(trainer: "pl.Trainer", state: Any, url: str) -> None:
+    """Restore the fp16 loss scale saved by ``_loss_scale_meta``; a malformed one is logged and ignored."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is None or state is None:
+        return
+    valid = isinstance(state, dict) and set(state) == set(_LOSS_SCALER_KEYS) and all(
+        isinstance(state[key], (int, float)) and not isinstance(state[key], bool) and math.isfinite(state[key])
+        and state[key] >= 0 for key in state) and state["scale"] > 0
+    if not valid:
+        logger.warning(f"Checkpoint {url}: ignoring a malformed loss_scaler entry {state!r}; the scale starts afresh")
+        return
+    scaler.load_state_dict(state)
+
+
 class SwarmCheckpoint(Callback):
     """Lightning callback: checkpoint every ``every_n_epochs`` global epochs and/or ``every_n_minutes``.
 
@@ -143,6 +170,7 @@ class SwarmCheckpoint(Callback):
                 opt.load_state_dict(state)
             for sched, state in zip(schedulers, self._resumed.scheduler_states):
                 sched.load_state_dict(state)
+            _load_loss_scale(trainer, self._resumed.meta.get("loss_scaler"), self._resumed.url)
             self._resumed = None  # free the tensors
         self._last_saved_epoch = None  # set at the first batch: a swarm strategy may still load the state
         self._last_save_time = time.monotonic()
@@ -201,7 +229,7 @@ class SwarmCheckpoint(Callback):
             run_id=self.run_id or getattr(trainer.strategy, "run_id", None),
             samples_seen=self.samples_seen(trainer),
             loss=self._loss(trainer),
-            extra_meta=dict(local_step=int(trainer.global_step)),
+            extra_meta=dict(local_step=int(trainer.global_step), **_loss_scale_meta(trainer)),
         )
 
     @property

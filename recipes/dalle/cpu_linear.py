@@ -176,7 +176,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 _ROWS_PER_CHUNK = 16  # rows of logits per elementwise pass: a chunk's temporaries stay in the CPU's cache
 # Fewer classes than this take F.cross_entropy: its fused log-softmax beats the row-chunked passes there
-# (bench_cpu_linear.py, AVX2: 0.3x at 8 classes, ~1x at 1024, 0.78x at 8192; 1.16x at 49,424)
+# (bench_cpu_linear.py, AVX2: 0.28x at 8 classes, 0.93x at 1024, 0.76x at 8192; 1.15x at 49,424)
 FUSED_MIN_CLASSES = 16384
 
 

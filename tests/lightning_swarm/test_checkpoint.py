@@ -285,3 +285,39 @@ def test_saver_keeps_checkpoints_in_use_and_records_the_model(tmp_path):
     assert saved.meta["model"] == {"class_path": "ckpt_tiny_module.TinyRegressor",
                                    "init_args": {"dim": 5, "hidden": 16, "lr": 1e-2}}
     assert isinstance(saved.build_model(), TinyRegressor) and saved.build_model().embed.weight.shape == (16, 5)
+
+
+def test_fp16_loss_scale_survives_resume(tmp_path, caplog):
+    """Under precision 16-mixed meta.json records the GradScaler's state; resuming starts from that scale,
+    a malformed entry is logged and ignored."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    def fp16_trainer(callback, init_scale, spy=None):
+        scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+        return pl.Trainer(max_steps=2, callbacks=[callback] + ([spy] if spy else []), logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                          accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
+
+    fp16_trainer(SwarmCheckpoint(dirpath=str(tmp_path / "a"), every_n_epochs=2), init_scale=512.0).fit(
+        TinyRegressor(), RandomRegressionData())
+    assert read_checkpoint(str(tmp_path / "a")).meta["loss_scaler"]["scale"] == 512.0
+
+    scales = []
+
+    class Spy(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            scales.append(trainer.precision_plugin.scaler.get_scale())
+
+    fp16_trainer(SwarmCheckpoint(dirpath=str(tmp_path / "b"), resume_from=str(tmp_path / "a")), 65536.0,
+                 Spy()).fit(TinyRegressor(), RandomRegressionData())
+    assert scales == [512.0]
+
+    # a tampered entry: refused with a log line, training goes on with the configured scale
+    meta_path = os.path.join(str(tmp_path / "a"), read_latest_name(str(tmp_path / "a")), "meta.json")
+    meta = json.load(open(meta_path))
+    meta["loss_scaler"]["scale"] = float("inf")
+    json.dump(meta, open(meta_path, "w"))
+    with caplog.at_level("WARNING"):
+        fp16_trainer(SwarmCheckpoint(dirpath=str(tmp_path / "c"), resume_from=str(tmp_path / "a")), 65536.0,
+                     Spy()).fit(TinyRegressor(), RandomRegressionData())
+    assert scales[-1] == 65536.0 and "malformed loss_scaler" in caplog.text
