@@ -54,6 +54,12 @@ HELD_OUT_PAIRS = {("red", "triangle"), ("green", "circle"), ("blue", "square"), 
 SPLITS = {"train": 0, "val": 1}
 
 
+def caption_words() -> list[str]:
+    """Every word the caption grammar uses (both articles, sizes, colours, shapes, the relation words)."""
+    words = ["a", "an", *SIZES, *COLOURS, *SHAPES, *(word for relation in RELATIONS for word in relation.split())]
+    return list(dict.fromkeys(words))
+
+
 # ---------------------------------------------------------------- drawing
 @functools.lru_cache(maxsize=None)
 def _cached_mask(shape: str, height: int, width: int) -> np.ndarray:

@@ -6,10 +6,12 @@ Sequence and targets (T = text_seq_len, G = image_grid_size, N = G * G):
     input     bos      text_0 .. text_{T-1}   code_0 .. code_{N-1}      (codes in raster order)
     predicts  text_0   text_1 .. code_0       code_1 .. (nothing)
 
-- Text pads (id 0) at text position i become id ``text_vocab_size + i`` (per-position pad ids, as in
-  DALLE-pytorch), so the text embedding has ``text_vocab_size + text_seq_len`` rows; ``bos`` is row 0 (id 0
-  never occurs after the pad remapping). Targets use the same remapped ids.
-- Text logits (positions 0 .. T-1) are over the ``text_vocab_size + text_seq_len`` text rows only; image
+- Text pads (id 0) at text position i become id ``V + i`` (per-position pad ids, as in DALLE-pytorch), so
+  the text embedding has ``V + text_seq_len`` rows; ``bos`` is row 0 (id 0 never occurs after the pad
+  remapping). Targets use the same remapped ids. V is ``text_vocab_size`` (a row per tokenizer id), or, with
+  a compact vocabulary (``text_token_ids``: the ids a dataset's captions use), ``len(text_token_ids) + 2``:
+  row 0, a row per listed id and one shared row for any other id (``DALLEConfig.text_rows``).
+- Text logits (positions 0 .. T-1) are over the ``V + text_seq_len`` text rows only; image
   logits (positions T .. T+N-1; position T is the last text token and predicts the first code) are over the
   image codebook only. Both reuse the input embedding matrices (tied) plus a bias.
 - loss = (text CE + w * image CE) / (1 + w), w = ``image_loss_weight`` (7 in the seed run).
@@ -90,6 +92,11 @@ class DALLEConfig:
         rotary_theta: rotary frequency base.
         ff_mult: feed-forward hidden width as a multiple of dim (GEGLU).
         image_loss_weight: weight w of the image loss in (text + w * image) / (1 + w).
+        text_token_ids: a compact text vocabulary: the tokenizer ids (> 0) the text embedding has rows for, e.g.
+            every id of the embedded shapes captions (``recipes.dalle.tokenizer.shapes_token_ids``); any other id
+            shares one "unknown" row. Captions stay tokenizer ids (the data contract); the model maps them. With
+            a few dozen words instead of 49,408 the text logits, the text embedding's gradient and its optimizer
+            update cost almost nothing. None: a row for every id below text_vocab_size.
         attention_impl: ``grouped`` (text queries causal over the text; image queries per row/column group
             over the text plus their own few image keys: fewer FLOPs, fastest on CPU) or ``dense`` (one
             masked SDPA over the whole sequence per layer; the reference).
@@ -113,9 +120,17 @@ class DALLEConfig:
     ff_mult: int = 4
     image_loss_weight: float = 7.0
     attention_impl: str = "grouped"
+    text_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self):
         self.attn_types = tuple(self.attn_types)
+        if self.text_token_ids is not None:
+            self.text_token_ids = tuple(int(i) for i in self.text_token_ids)
+            bad = [i for i in self.text_token_ids if not 0 < i < self.text_vocab_size]
+            if bad or len(set(self.text_token_ids)) != len(self.text_token_ids) or not self.text_token_ids:
+                raise ValueError(f"DALLEConfig.text_token_ids must be distinct ids in [1, text_vocab_size="
+                                 f"{self.text_vocab_size}), at least one; got {len(self.text_token_ids)} ids"
+                                 + (f", out of range: {bad[:5]}" if bad else ""))
         if self.shared_layer_ids is not None:
             self.shared_layer_ids = tuple(int(i) for i in self.shared_layer_ids)
         for name in ("dim", "depth", "heads", "dim_head", "text_vocab_size", "text_seq_len",
@@ -162,6 +177,11 @@ class DALLEConfig:
         values = dict(load_yaml(path)["model"]["init_args"]["config"])
         values.update(overrides)
         return cls(**values)
+
+    @property
+    def text_rows(self) -> int:
+        """Text ids the model tells apart before the per-position pads (V in the module docstring)."""
+        return self.text_vocab_size if self.text_token_ids is None else len(self.text_token_ids) + 2
 
     @property
     def num_text(self) -> int:
@@ -249,7 +269,12 @@ class DALLE(IncrementalDecodingMixin, nn.Module):
     def __init__(self, config: DALLEConfig):
         super().__init__()
         self.config = c = config
-        self.text_emb = nn.Embedding(c.text_vocab_size + c.text_seq_len, c.dim)  # row 0 doubles as bos
+        self.text_emb = nn.Embedding(c.text_rows + c.text_seq_len, c.dim)  # row 0 doubles as bos
+        if c.text_token_ids is not None:  # tokenizer id -> row; derived from the config, so not in state_dict
+            id_to_row = torch.full((c.text_vocab_size,), c.text_rows - 1, dtype=torch.long)  # unknown row
+            id_to_row[0] = 0
+            id_to_row[torch.tensor(c.text_token_ids)] = torch.arange(1, len(c.text_token_ids) + 1)
+            self.register_buffer("text_id_to_row", id_to_row, persistent=False)
         self.image_emb = nn.Embedding(c.image_vocab_size, c.dim)
         if not c.rotary:
             self.text_pos_emb = nn.Embedding(c.num_text, c.dim)
@@ -261,7 +286,7 @@ class DALLE(IncrementalDecodingMixin, nn.Module):
         self.attn_norms = nn.ModuleList(nn.LayerNorm(c.dim) for _ in range(c.depth))
         self.ff_norms = nn.ModuleList(nn.LayerNorm(c.dim) for _ in range(c.depth))
         self.final_norm = nn.LayerNorm(c.dim)
-        self.text_logits_bias = nn.Parameter(torch.zeros(c.text_vocab_size + c.text_seq_len))
+        self.text_logits_bias = nn.Parameter(torch.zeros(c.text_rows + c.text_seq_len))
         self.image_logits_bias = nn.Parameter(torch.zeros(c.image_vocab_size))
         self._tables: dict = {}  # per device: attention layouts, rotary tables, dense masks (built lazily)
         self._init_weights()
@@ -319,12 +344,23 @@ class DALLE(IncrementalDecodingMixin, nn.Module):
 
     # ----- embedding and heads ----------------------------------------------------------------------
     def text_tokens(self, text: torch.Tensor) -> torch.Tensor:
-        """``[B, T]`` caption ids (0 = pad) -> ``[B, T]`` ids with per-position pad ids."""
+        """``[B, T]`` caption ids (0 = pad) -> ``[B, T]`` text rows, with per-position pad ids (and, with a
+        compact vocabulary, tokenizer ids mapped to their rows)."""
         c = self.config
         if text.shape[1] != c.text_seq_len:
             raise ValueError(f"text has {text.shape[1]} tokens per row, the model expects {c.text_seq_len}")
+        if c.text_token_ids is not None:
+            text = self.text_id_to_row[text]
         positions = torch.arange(c.text_seq_len, device=text.device)
-        return torch.where(text == 0, c.text_vocab_size + positions, text)
+        return torch.where(text == 0, c.text_rows + positions, text)
+
+    def unknown_text_ids(self, text: torch.Tensor) -> list[int]:
+        """The distinct ids of ``text`` that a compact vocabulary has no row for (they all read as one
+        "unknown" word); empty without a compact vocabulary."""
+        if self.config.text_token_ids is None:
+            return []
+        unknown = text[self.text_id_to_row.to(text.device)[text] == self.config.text_rows - 1]
+        return sorted(set(unknown.tolist()))
 
     def _embed_text(self, text_ids: torch.Tensor) -> torch.Tensor:
         """Remapped text ids ``[B, T]`` -> embedded text part (bos + text) ``[B, T + 1, dim]``."""
@@ -398,7 +434,7 @@ class DALLE(IncrementalDecodingMixin, nn.Module):
             image: ``LongTensor[B, image_grid_size ** 2]`` image codes in raster order.
 
         Returns:
-            ``text_logits [B, T, text_vocab_size + T]`` (position i predicts the remapped text id i) and
+            ``text_logits [B, T, text_rows + T]`` (position i predicts the remapped text id i) and
             ``image_logits [B, N, image_vocab_size]`` (position j predicts code j).
         """
         t = self.config.text_seq_len

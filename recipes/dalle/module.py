@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import lightning as L
@@ -11,6 +11,7 @@ from lightning.pytorch.cli import OptimizerCallable
 
 from lightning_swarm.lr_schedule import check_schedule, warmup_decay_scheduler
 from recipes.dalle.model import DALLE, DALLEConfig, unconditional_text
+from recipes.dalle.tokenizer import text_token_ids
 
 
 def default_optimizer(params) -> torch.optim.Optimizer:
@@ -35,6 +36,9 @@ class DALLEModule(L.LightningModule):
         text_dropout: probability that a training example's caption is replaced by `unconditional_text`
             (caption dropout), so that the model also learns p(image) and classifier-free guidance
             (`--guidance-scale`) has an unconditional model to push away from. Validation always uses the captions.
+        text_vocabulary: sets `config.text_token_ids` by name: "shapes" (a compact vocabulary of the embedded
+            shapes captions' few dozen CLIP BPE ids, for the tiny recipe) or "full" (a row per CLIP BPE id, for
+            real captions). None keeps `config.text_token_ids` as given (checkpoints store the resolved ids).
     """
 
     def __init__(
@@ -49,8 +53,11 @@ class DALLEModule(L.LightningModule):
         decay: str = "cosine",
         min_lr_ratio: float = 0.1,
         text_dropout: float = 0.0,
+        text_vocabulary: str | None = None,
     ):
         super().__init__()
+        if text_vocabulary is not None:
+            config = replace(config, text_token_ids=text_token_ids(text_vocabulary))
         if image_codec not in ("palette", "vqgan"):
             raise ValueError(f"image_codec must be 'palette' or 'vqgan', got {image_codec!r}")
         check_schedule(warmup_steps, decay_steps, decay, min_lr_ratio)
@@ -72,7 +79,7 @@ class DALLEModule(L.LightningModule):
     def config_from_hparams(cls, hparams: dict[str, Any]) -> DALLEConfig:
         """The `DALLEConfig` stored in a checkpoint's hyper-parameters."""
         fields = dict(hparams["config"])
-        for key in ("attn_types", "shared_layer_ids"):
+        for key in ("attn_types", "shared_layer_ids", "text_token_ids"):
             if fields.get(key) is not None:
                 fields[key] = tuple(fields[key])
         return DALLEConfig(**fields)
@@ -100,7 +107,7 @@ class DALLEModule(L.LightningModule):
                 "seq_len": c.num_text + c.image_grid_size ** 2, "ff_mult": c.ff_mult, "glu": True,
                 "attention": "sdpa", "vocab_size": c.image_vocab_size,
                 # text positions score the text vocabulary, image positions the codebook (never the union)
-                "logits_per_sample": c.text_seq_len * (c.text_vocab_size + c.text_seq_len)
+                "logits_per_sample": c.text_seq_len * (c.text_rows + c.text_seq_len)
                                      + c.image_grid_size ** 2 * c.image_vocab_size,
                 "reversible": bool(c.reversible)}
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from open_clip.tokenizer import SimpleTokenizer
 
+TEXT_VOCABULARIES = ("full", "shapes")
+
 
 class TextTokenizer:
     """Turns captions into fixed-length rows of CLIP BPE ids for the DALL-E text block.
@@ -53,3 +55,22 @@ class TextTokenizer:
             if token != 0 and token != self.sot_id:
                 kept.append(token)
         return self.bpe.decode(kept).strip()
+
+
+def shapes_token_ids() -> tuple[int, ...]:
+    """The CLIP BPE ids of every caption of the embedded shapes data (its words and end-of-text), sorted: the
+    compact text vocabulary of `DALLEConfig.text_token_ids` for the tiny recipe. BPE splits text into words
+    before merging, so a word has the same ids alone as inside a caption."""
+    from recipes.shapes import caption_words
+
+    tokenizer = TextTokenizer(text_seq_len=2)
+    ids = {token for word in caption_words() for token in tokenizer.bpe.encode(word)}
+    return tuple(sorted(ids | {tokenizer.eot_id}))
+
+
+def text_token_ids(vocabulary: str) -> tuple[int, ...] | None:
+    """`DALLEConfig.text_token_ids` of a named text vocabulary: "full" (None: every CLIP BPE id has a row) or
+    "shapes" (`shapes_token_ids`)."""
+    if vocabulary not in TEXT_VOCABULARIES:
+        raise ValueError(f"unknown text vocabulary {vocabulary!r}; use one of {TEXT_VOCABULARIES}")
+    return shapes_token_ids() if vocabulary == "shapes" else None
