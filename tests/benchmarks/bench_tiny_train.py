@@ -1,0 +1,180 @@
+"""Training-step cost of the tiny recipes' models on this CPU, variants side by side in one run.
+
+DALL-E (configs/dalle_tiny.yaml's model and batch, fp32): a forward + backward + fused AdamW step on real shapes
+batches, per variant:
+
+    before        the full CLIP BPE text vocabulary (49,408 rows) and reversible layers (the config before issue 15)
+    compact       the compact shapes vocabulary (model.text_vocabulary: shapes), reversible layers
+    compact-plain the compact vocabulary and plain residual layers (no recomputation in backward)
+
+CLIP (configs/clip_tiny.yaml's model and batch, fp32): a step of `CLIPModule` on a real batch (``--clip``).
+
+Each measurement runs in a fresh subprocess; the variants alternate ``--repeats`` times and the medians are
+printed, with the CPU time per step (user + system of the process, all threads) next to the wall time: other
+processes share the cores, so the wall time says as much about the load (printed by ``uptime`` before and
+after) as about the step, and the CPU time is the steadier figure. A run's time is about steps x wall time per
+step plus start-up and validation.
+
+    python tests/benchmarks/bench_tiny_train.py [--threads 1 2] [--repeats 2] [--steps 4] [--clip]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+DALLE_VARIANTS = {
+    "before": {"text_vocabulary": "full", "reversible": True},
+    "compact": {"text_vocabulary": "shapes", "reversible": True},
+    "compact-plain": {"text_vocabulary": "shapes", "reversible": False},
+}
+
+
+def _recipe(name: str) -> dict:
+    return yaml.safe_load((REPO / "configs" / name).read_text())
+
+
+def dalle_worker(variant: str, threads: int, steps: int, warmup: int) -> dict:
+    """Time training steps of the tiny DALL-E in this process."""
+    import torch
+
+    from recipes.dalle.cpu_malloc import keep_freed_memory
+
+    keep_freed_memory()  # as `python -m recipes.dalle` does
+    from recipes.dalle.model import DALLE, DALLEConfig
+    from recipes.dalle.tokenizer import TextTokenizer, text_token_ids
+    from recipes.shapes import generate_example
+
+    torch.manual_seed(0)
+    torch.set_num_threads(threads)
+    recipe = _recipe("dalle_tiny.yaml")
+    init_args = recipe["model"]["init_args"]
+    settings = DALLE_VARIANTS[variant]
+    config = DALLEConfig(**{**init_args["config"], "reversible": settings["reversible"],
+                            "text_token_ids": text_token_ids(settings["text_vocabulary"])})
+    model = DALLE(config)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    optimizer_args = {k: v for k, v in init_args["optimizer"]["init_args"].items()}
+    optimizer = torch.optim.AdamW([{"params": decay}, {"params": other, "weight_decay": 0.0}], **optimizer_args)
+    batch_size = recipe["data"]["init_args"]["batch_size"]
+    examples = [generate_example(i) for i in range(batch_size)]
+    text = TextTokenizer(config.text_seq_len)([caption for caption, _, _ in examples])
+    image = torch.stack([torch.from_numpy(codes.astype("int64")).flatten() for _, codes, _ in examples])
+
+    def step():
+        model.compute_loss(text, image)["loss"].backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return _time_steps(step, steps, warmup, batch_size, model_params=sum(p.numel() for p in model.parameters()))
+
+
+def clip_worker(threads: int, steps: int, warmup: int) -> dict:
+    """Time training steps of the tiny CLIP in this process (the batch is drawn once, outside the timing)."""
+    import torch
+
+    from recipes.clip.data import ShapesCLIPDataModule
+    from recipes.clip.module import CLIPModule
+
+    torch.manual_seed(0)
+    torch.set_num_threads(threads)
+    recipe = _recipe("clip_tiny.yaml")
+    data_args = {k: v for k, v in recipe["data"].items() if k != "num_workers"}
+    start = time.process_time()
+    batch = next(iter(ShapesCLIPDataModule(**data_args, num_workers=0).train_dataloader()))
+    data_cpu = time.process_time() - start
+    module = CLIPModule(**recipe["model"])
+    optimizer = module.configure_optimizers()["optimizer"]
+
+    def step():
+        module._step(batch)[0].backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    result = _time_steps(step, steps, warmup, len(batch["image"]),
+                         model_params=sum(p.numel() for p in module.parameters()))
+    result["data_cpu_s_per_batch"] = data_cpu  # drawing a batch: DataLoader workers do it beside the model
+    return result
+
+
+def _time_steps(step, steps: int, warmup: int, batch_size: int, model_params: int) -> dict:
+    for _ in range(warmup):  # one-time costs: optimizer state, kernel caches, the heap's growth
+        step()
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        step()
+    wall, cpu = (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps
+    return {"params_M": model_params / 1e6, "wall_s_per_step": wall, "cpu_s_per_step": cpu,
+            "samples_per_s": batch_size / wall}
+
+
+def measure(args, kind: str, variant: str, threads: int) -> dict:
+    command = [sys.executable, __file__, "--worker", kind, "--variant", variant, "--threads", str(threads),
+               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    out = subprocess.run(command, check=True, capture_output=True, text=True, cwd=REPO).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def load() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch threads to measure")
+    parser.add_argument("--variants", nargs="+", default=list(DALLE_VARIANTS), choices=list(DALLE_VARIANTS))
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per measurement")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
+    parser.add_argument("--repeats", type=int, default=2, help="measurements of each variant, alternating")
+    parser.add_argument("--clip", action="store_true", help="also measure the tiny CLIP's step")
+    parser.add_argument("--worker", choices=["dalle", "clip"], help=argparse.SUPPRESS)
+    parser.add_argument("--variant", default="compact", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker == "dalle":
+        print(json.dumps(dalle_worker(args.variant, args.threads[0], args.steps, args.warmup)))
+        return
+    if args.worker == "clip":
+        print(json.dumps(clip_worker(args.threads[0], args.steps, args.warmup)))
+        return
+    import torch
+
+    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+          f"native bf16 {torch.ops.mkldnn._is_mkldnn_bf16_supported()}")
+    print(f"load before: {load()}", flush=True)
+    runs = [("dalle", v, t) for t in args.threads for v in args.variants]
+    runs += [("clip", "clip_tiny", t) for t in args.threads] if args.clip else []
+    results = {run: [] for run in runs}
+    for repeat in range(args.repeats):
+        for run in runs:
+            results[run].append(measure(args, *run))
+            figures = " ".join(f"{k}={v:.3f}" for k, v in results[run][-1].items())
+            print(f"[{repeat}] {run[0]} {run[1]} threads={run[2]}: {figures}", flush=True)
+    print(f"load after: {load()}")
+    print(f"{'model':6} {'variant':14} {'threads':>7} {'params M':>9} {'cpu s/step':>11} {'wall s/step':>12} "
+          f"{'samples/s':>10}")
+    for (kind, variant, threads), rows in results.items():
+        cpu = statistics.median(r["cpu_s_per_step"] for r in rows)
+        wall = statistics.median(r["wall_s_per_step"] for r in rows)
+        samples = statistics.median(r["samples_per_s"] for r in rows)
+        print(f"{kind:6} {variant:14} {threads:>7} {rows[0]['params_M']:>9.2f} {cpu:>11.3f} {wall:>12.3f} "
+              f"{samples:>10.2f}")
+    for threads in args.threads:
+        base = ("dalle", "before", threads)
+        if base in results:
+            base_cpu = statistics.median(r["cpu_s_per_step"] for r in results[base])
+            for variant in args.variants:
+                cpu = statistics.median(r["cpu_s_per_step"] for r in results[("dalle", variant, threads)])
+                print(f"dalle threads={threads}: {variant} CPU time per step = {cpu / base_cpu:.2f}x before")
+
+
+if __name__ == "__main__":
+    main()
