@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -120,7 +121,8 @@ def _time_steps(step, steps: int, warmup: int, batch_size: int, model_params: in
 def measure(args, kind: str, variant: str, threads: int) -> dict:
     command = [sys.executable, __file__, "--worker", kind, "--variant", variant, "--threads", str(threads),
                "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    out = subprocess.run(command, check=True, capture_output=True, text=True, cwd=REPO).stdout
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}  # this checkout
+    out = subprocess.run(command, check=True, capture_output=True, text=True, cwd=REPO, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
