@@ -29,9 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paths import REPO  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 DALLE_VARIANTS = {
     "before": {"text_vocabulary": "full", "reversible": True},
     "compact": {"text_vocabulary": "shapes", "reversible": True},
@@ -39,8 +39,10 @@ DALLE_VARIANTS = {
 }
 
 
-def _recipe(name: str) -> dict:
-    return yaml.safe_load((REPO / "configs" / name).read_text())
+def _recipe(name: str, model_class: str | None = None):
+    from lightning_swarm.recipe_config import read_recipe_config
+
+    return read_recipe_config(REPO / "configs" / name, model_class=model_class)
 
 
 def dalle_worker(variant: str, threads: int, steps: int, warmup: int) -> dict:
@@ -50,23 +52,19 @@ def dalle_worker(variant: str, threads: int, steps: int, warmup: int) -> dict:
     from recipes.dalle.cpu_malloc import keep_freed_memory
 
     keep_freed_memory()  # as `python -m recipes.dalle` does
-    from recipes.dalle.model import DALLE, DALLEConfig
-    from recipes.dalle.tokenizer import TextTokenizer, text_token_ids
+    from recipes.dalle.tokenizer import TextTokenizer
     from recipes.shapes import generate_example
 
     torch.manual_seed(0)
     torch.set_num_threads(threads)
-    recipe = _recipe("dalle_tiny.yaml")
-    init_args = recipe["model"]["init_args"]
+    recipe = _recipe("dalle_tiny.yaml")  # the module and optimizer exactly as the recipe builds them
     settings = DALLE_VARIANTS[variant]
-    config = DALLEConfig(**{**init_args["config"], "reversible": settings["reversible"],
-                            "text_token_ids": text_token_ids(settings["text_vocabulary"])})
-    model = DALLE(config)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    other = [p for p in model.parameters() if p.dim() < 2]
-    optimizer_args = {k: v for k, v in init_args["optimizer"]["init_args"].items()}
-    optimizer = torch.optim.AdamW([{"params": decay}, {"params": other, "weight_decay": 0.0}], **optimizer_args)
-    batch_size = recipe["data"]["init_args"]["batch_size"]
+    recipe.model_init_args["text_vocabulary"] = settings["text_vocabulary"]
+    recipe.model_init_args["config"]["reversible"] = settings["reversible"]
+    module = recipe.build_model()
+    model, config = module.model, module.config
+    optimizer = module.configure_optimizers()["optimizer"]
+    batch_size = recipe.data_init_args["batch_size"]
     examples = [generate_example(i) for i in range(batch_size)]
     text = TextTokenizer(config.text_seq_len)([caption for caption, _, _ in examples])
     image = torch.stack([torch.from_numpy(codes.astype("int64")).flatten() for _, codes, _ in examples])
@@ -84,16 +82,15 @@ def clip_worker(threads: int, steps: int, warmup: int) -> dict:
     import torch
 
     from recipes.clip.data import ShapesCLIPDataModule
-    from recipes.clip.module import CLIPModule
 
     torch.manual_seed(0)
     torch.set_num_threads(threads)
-    recipe = _recipe("clip_tiny.yaml")
-    data_args = {k: v for k, v in recipe["data"].items() if k != "num_workers"}
+    recipe = _recipe("clip_tiny.yaml", model_class="recipes.clip.module.CLIPModule")
+    data_args = {k: v for k, v in recipe.data_init_args.items() if k != "num_workers"}
     start = time.process_time()
     batch = next(iter(ShapesCLIPDataModule(**data_args, num_workers=0).train_dataloader()))
     data_cpu = time.process_time() - start
-    module = CLIPModule(**recipe["model"])
+    module = recipe.build_model()
     optimizer = module.configure_optimizers()["optimizer"]
 
     def step():
