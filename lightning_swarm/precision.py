@@ -26,19 +26,17 @@ The recipes' LightningCLI (``recipes/cli.py``) accepts ``trainer.precision: auto
 
 from __future__ import annotations
 
-import logging
 import platform
 import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple, Union
 
 import torch
-
-log = logging.getLogger(__name__)
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 AUTO = "auto"
 BF16_PRECISIONS = ("bf16-mixed", "bf16-true", "bf16", "transformer-engine")
-# Private torch probes (torch >= 2.3) and where they are read; tests/lightning_swarm/test_precision.py checks they exist.
+# Private torch probes (torch >= 2.3); tests/lightning_swarm/test_precision.py checks that they exist.
 TORCH_CPU_PROBES = ("torch.cpu._is_avx512_bf16_supported", "torch.cpu._is_amx_tile_supported",
                     "torch.ops.mkldnn._is_mkldnn_bf16_supported")
 
@@ -115,7 +113,7 @@ def _probe(name: str) -> bool:
 
 def device_for(accelerator: Any = "auto") -> str:
     """The device a Trainer with this ``accelerator`` flag (a name or an Accelerator) trains on."""
-    name = accelerator if isinstance(accelerator, str) else type(accelerator).__name__.lower().replace("accelerator", "")
+    name = accelerator if isinstance(accelerator, str) else type(accelerator).__name__.replace("Accelerator", "")
     name = name.lower()
     if name in ("cuda", "gpu") or (name == "auto" and torch.cuda.is_available()):
         return "cuda"
@@ -160,12 +158,14 @@ def resolve_precision(precision: Union[str, int, None] = AUTO, accelerator: Any 
         chosen, reason = choose_precision(facts)
         if (chosen, reason) not in _logged:
             _logged.add((chosen, reason))
-            log.info(f"[lightning_swarm] precision auto -> {chosen}: {reason}")
+            # Lightning's own logger: shown like its "GPU available" lines, whatever the root logging config
+            rank_zero_info(f"[lightning_swarm] precision auto -> {chosen}: {reason}")
         return chosen
     if not facts.native_bf16 and facts.device in ("cpu", "cuda"):
         chosen, _ = choose_precision(facts)
+        hardware = facts.cpu_capability if facts.device == "cpu" else f"compute capability {facts.cuda_capability}"
         warnings.warn(
-            f"precision={precision!r} on a {facts.device} without native bf16 ({facts.cpu_capability if facts.device == 'cpu' else facts.cuda_capability}): "
+            f"precision={precision!r} on a {facts.device} without native bf16 ({hardware}): "
             f"bf16 is emulated and can be many times slower; precision='auto' would use {chosen!r} here",
             stacklevel=2,
         )

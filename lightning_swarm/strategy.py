@@ -453,7 +453,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         loss = losses[-1] if losses else step_output
         skipped = scaler is not None and scaler.get_scale() < scale_before  # the scale only drops on an overflow
         if skipped:
-            log.info(f"[lightning_swarm] fp16 gradients overflowed: batch skipped, loss scale now {scaler.get_scale():g}")
+            log.info(f"[lightning_swarm] fp16 gradients overflowed: batch skipped, loss scale {scaler.get_scale():g}")
         self.stats.record_step(0 if skipped else kwargs["batch_size"], loss, self.global_epoch, self.target_batch_size)
         if self.publish_metrics and self.stats.due(self.metrics_interval):
             self._publish_metrics()
