@@ -95,7 +95,8 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=3, help="steps per round and path (default: 3)")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                         help="cpu: this process's CPU time (robust to other load); wall: elapsed time")
-    parser.add_argument("--part", choices=("all", "linear", "cross-entropy"), default="all", help="what to measure")
+    parser.add_argument("--part", choices=("all", "linear", "cross-entropy", "step"), default="all",
+                        help="what to measure (step: a whole training step of configs/dalle_tiny.yaml's model)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -106,6 +107,8 @@ def main() -> None:
         measure_linears(args)
     if args.part in ("all", "cross-entropy"):
         measure_cross_entropy(args)
+    if args.part in ("all", "step"):
+        measure_tiny_step(args)
     print(f"\nkernel_choice on this CPU: {cpu_linear.kernel_choice(facts)!r}")
 
 
@@ -144,6 +147,45 @@ def measure_cross_entropy(args) -> None:
         print(f"{name:<20} {f'{rows} x {in_features} -> {classes}':>22} "
               + " ".join(f"{ms[k]:>17.2f}" for k in kinds)
               + f" {ms['plain'] / ms['fused F.linear']:>14.2f} {ms['plain'] / ms['fused oneDNN']:>19.2f}")
+
+
+# (oneDNN on, FUSED_MIN_CLASSES): the kernels a tiny DALL-E step can run with
+STEP_VARIANTS = {"oneDNN, fused CE always (before)": (True, 0), "oneDNN, CE threshold": (True, None),
+                 "F.linear, CE threshold": (False, None)}
+
+
+def measure_tiny_step(args) -> None:
+    """Forward + backward + AdamW of configs/dalle_tiny.yaml's model on one batch, per kernel variant."""
+    from lightning_swarm.recipe_config import read_recipe_config
+    from recipes.dalle.tokenizer import TextTokenizer
+    from recipes.shapes import generate_example
+
+    torch.manual_seed(0)
+    recipe = read_recipe_config("configs/dalle_tiny.yaml")
+    module = recipe.build_model()
+    model, config = module.model, module.config
+    optimizer = module.configure_optimizers()["optimizer"]
+    examples = [generate_example(i) for i in range(recipe.data_init_args["batch_size"])]
+    text = TextTokenizer(config.text_seq_len)([caption for caption, _, _ in examples])
+    image = torch.stack([torch.from_numpy(codes.astype("int64")).flatten() for _, codes, _ in examples])
+    threshold = cpu_linear.FUSED_MIN_CLASSES
+
+    def step_with(onednn: bool, min_classes):
+        def step():
+            cpu_linear.FUSED_MIN_CLASSES = threshold if min_classes is None else min_classes
+            with cpu_linear.use_onednn(onednn):
+                model.compute_loss(text, image)["loss"].backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return step
+
+    medians = alternate({name: step_with(*variant) for name, variant in STEP_VARIANTS.items()}, args.repeats,
+                        args.iterations)
+    cpu_linear.FUSED_MIN_CLASSES = threshold
+    base = medians["oneDNN, fused CE always (before)"]
+    print(f"\n{'tiny DALL-E step':<34} {'ms':>9} {'x before':>9}")
+    for name, seconds in medians.items():
+        print(f"{name:<34} {1e3 * seconds:>9.1f} {base / seconds:>9.2f}")
 
 
 if __name__ == "__main__":
