@@ -108,7 +108,8 @@ class Blockwise8BitQuantization(CompressionBase):
     """Blockwise absmax 8-bit quantization in hivemind's ``BLOCKWISE_8BIT`` wire format, numpy-2.4 safe.
 
     Each block of 4096 values is scaled by its absolute maximum into [-1, 1] and each value is replaced by the
-    index of the nearest of 256 codebook levels (bitsandbytes' native CPU kernels). The codebook is chosen per
+    index of the nearest of 256 codebook levels (bitsandbytes' native CPU kernels). A NaN or Inf value is sent
+    as 0, so that it does not spread to the other values of its block. The codebook is chosen per
     message among :func:`uniform_code` and :func:`dynamic_code` by trial on a sample of blocks.
 
     Args:
@@ -151,6 +152,9 @@ class Blockwise8BitQuantization(CompressionBase):
         requires_grad = tensor.requires_grad
         dtype_name = str(tensor.dtype).replace("torch.", "")
         flat = tensor.detach().reshape(-1).to(torch.float32).contiguous()
+        if not bool(torch.isfinite(flat).all()):
+            # a NaN/Inf would become its block's absmax and turn all 4096 values of the block into NaN: send it as 0
+            flat = torch.nan_to_num(flat, nan=0.0, posinf=0.0, neginf=0.0)
         code = self.choose_codebook(flat)
         if torch.equal(code, _UNIFORM_CODE):
             quantized, absmax = quantize_uniform_blockwise(flat)

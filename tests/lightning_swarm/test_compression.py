@@ -215,3 +215,16 @@ def test_compressed_averaging_round_between_two_processes(tmp_path):
                 assert float(error.abs().max()) < 0.06
             else:  # float16
                 assert float(error.abs().max()) < 5e-3
+
+
+@pytest.mark.parametrize("numel", [1000, 3 * BLOCKSIZE + 5, 2**17])  # float16 and 8-bit messages
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_value_does_not_spread_to_its_neighbours(numel, bad):
+    tensor = sample("gauss", numel)
+    poisoned = tensor.clone()
+    poisoned[numel // 2] = bad
+    restored, _ = roundtrip(default_compression(), poisoned)
+    neighbours = torch.ones(numel, dtype=torch.bool)
+    neighbours[numel // 2] = False
+    assert torch.isfinite(restored[neighbours]).all()
+    assert rmse(restored[neighbours], tensor[neighbours]) < 0.02

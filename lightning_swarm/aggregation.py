@@ -1,0 +1,157 @@
+"""How one tensor part received from the peers of an averaging group becomes the group's result.
+
+hivemind's all-reduce adds every sender's part, scaled by the weight the sender itself put in its message, and
+divides by the sum of the weights: one sender with weight 1e9 decides the result, and one NaN (in a part or a
+weight) makes it NaN for everyone. This module holds the arithmetic that replaces it (the all-reduce plumbing that
+calls it is in :mod:`lightning_swarm.hivemind_ext.robust_allreduce`):
+
+- :func:`screen_contributions` checks each sender's weight (finite, > 0, at most the bound the receiver knows
+  for that sender, e.g. the samples it reported to the progress tracker) and part (finite), and says why each
+  refused sender was refused;
+- :func:`weighted_mean` is hivemind's mean over what passed;
+- :func:`centered_clip` is CenteredClip (Karimireddy, He and Jaggi, "Learning from History for Byzantine Robust
+  Optimization", ICML 2021; in a butterfly all-reduce as in Gorbunov et al., "Secure Distributed Training at
+  Scale", ICML 2022): starting from the coordinate-wise median, repeat ``v += sum_i w_i * clip_tau(x_i - v) /
+  sum_i w_i``, where ``clip_tau`` scales a difference down to L2 norm ``tau``. A minority of senders can move the
+  result by at most about ``tau`` times their share of the weight, whatever they send.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+AGGREGATION_CHOICES = ("mean", "centered_clip")
+DEFAULT_CENTERED_CLIP_ITERS = 20
+# CenteredClip stops early once an iteration moves the result by less than this fraction of its norm
+CENTERED_CLIP_TOLERANCE = 1e-6
+
+
+@dataclass
+class Refusal:
+    """One sender's contribution to one part that was left out, and why (for the log)."""
+
+    sender: int
+    reason: str
+
+
+def screen_contributions(
+    parts: Sequence[Optional[torch.Tensor]],
+    weights: Sequence[float],
+    max_weights: Optional[Sequence[float]] = None,
+) -> tuple[List[int], List[float], List[Refusal]]:
+    """Which senders' parts may enter the aggregate, with which weight.
+
+    Args:
+        parts: each sender's part (None: the sender sent nothing for it).
+        weights: the weight each sender claimed in its message.
+        max_weights: the largest weight the receiver accepts from each sender (None: no bound). A larger claim is
+            lowered to the bound (an honest peer's claim may run slightly ahead of its last progress record).
+
+    Returns (indices of the accepted senders, their weights, refusals). A weight of exactly 0 is hivemind's way of
+    tagging along without contributing: left out, but not a refusal.
+    """
+    accepted, accepted_weights, refusals = [], [], []
+    for sender, (part, weight) in enumerate(zip(parts, weights)):
+        if part is None:
+            continue
+        weight = float(weight)
+        if weight == 0.0:
+            continue
+        if not math.isfinite(weight) or weight < 0:
+            refusals.append(Refusal(sender, f"weight {weight!r} is not a finite positive number"))
+            continue
+        if max_weights is not None:
+            bound = float(max_weights[sender])
+            if not bound > 0:
+                refusals.append(Refusal(sender, f"weight {weight:g} from a sender with no samples on record"))
+                continue
+            if weight > bound:
+                refusals.append(Refusal(sender, f"weight {weight:g} lowered to {bound:g}, the samples on record"))
+                weight = bound  # still accepted, with the bound as its weight
+        if not bool(torch.isfinite(part).all()):
+            refusals.append(Refusal(sender, "its part holds NaN or Inf values"))
+            continue
+        accepted.append(sender)
+        accepted_weights.append(weight)
+    return accepted, accepted_weights, refusals
+
+
+def weighted_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """sum_i w_i x_i / sum_i w_i (hivemind's aggregation), in float32."""
+    total = float(sum(weights))
+    result = torch.zeros_like(parts[0], dtype=torch.float32)
+    for part, weight in zip(parts, weights):
+        result.add_(part, alpha=weight / total)
+    return result
+
+
+def centered_clip(
+    parts: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    tau: Optional[float] = None,
+    iters: int = DEFAULT_CENTERED_CLIP_ITERS,
+) -> torch.Tensor:
+    """CenteredClip of ``parts`` (same shape) with ``weights``, see the module docstring.
+
+    Args:
+        parts: the senders' parts (finite).
+        weights: their weights (finite, > 0).
+        tau: clipping radius (L2 norm of a part's difference from the current estimate). None: at each iteration,
+            the weighted median of the senders' distances to the estimate, so that the nearer half of the weight is
+            not clipped; this follows the scale of whatever is averaged (gradients, parameters, optimizer state).
+        iters: at most this many iterations (fewer once the estimate stops moving).
+    """
+    if len(parts) == 1:
+        return parts[0].to(torch.float32).clone()
+    stacked = torch.stack([p.reshape(-1).to(torch.float32) for p in parts])  # [senders, values]
+    w = torch.tensor(weights, dtype=torch.float32)
+    w = w / w.sum()
+    estimate = stacked.median(dim=0).values if len(parts) > 2 else stacked.mul(w[:, None]).sum(0)
+    for _ in range(iters):
+        diffs = stacked - estimate
+        norms = torch.linalg.vector_norm(diffs, dim=1)
+        radius = _weighted_median(norms, w) if tau is None else torch.tensor(float(tau))
+        scale = torch.where(norms > radius, radius / norms.clamp_min(1e-30), torch.ones_like(norms))
+        step = (diffs * (w * scale)[:, None]).sum(0)
+        estimate += step
+        if float(torch.linalg.vector_norm(step)) <= CENTERED_CLIP_TOLERANCE * float(torch.linalg.vector_norm(estimate)):
+            break
+    return estimate.reshape(parts[0].shape)
+
+
+def _weighted_median(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The smallest value such that values at or below it carry at least half of the (normalised) weight."""
+    order = torch.argsort(values)
+    cumulative = torch.cumsum(weights[order], dim=0)
+    index = int(torch.searchsorted(cumulative, torch.tensor(0.5 - 1e-6)).clamp_max(len(values) - 1))
+    return values[order[index]]
+
+
+def aggregate_parts(
+    parts: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    aggregation: str = "mean",
+    tau: Optional[float] = None,
+    iters: int = DEFAULT_CENTERED_CLIP_ITERS,
+) -> torch.Tensor:
+    """The group's result for one part: ``aggregation`` is "mean" or "centered_clip" (with ``tau``, ``iters``)."""
+    if aggregation == "mean":
+        return weighted_mean(parts, weights)
+    if aggregation == "centered_clip":
+        return centered_clip(parts, weights, tau=tau, iters=iters)
+    raise ValueError(f"aggregation must be one of {AGGREGATION_CHOICES}, got {aggregation!r}")
+
+
+def check_aggregation_options(aggregation: str, tau: Optional[float], iters: int) -> None:
+    """Raise a clear ValueError for a bad aggregation name, tau or iteration count."""
+    if aggregation not in AGGREGATION_CHOICES:
+        raise ValueError(f"aggregation must be one of {AGGREGATION_CHOICES}, got {aggregation!r}")
+    if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau)
+                            or tau <= 0):
+        raise ValueError(f"centered_clip_tau must be a finite number > 0 (or None: adaptive), got {tau!r}")
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
+        raise ValueError(f"centered_clip_iters must be an integer >= 1, got {iters!r}")

@@ -1,0 +1,288 @@
+"""hivemind's butterfly all-reduce with checked inputs and outputs, and optionally CenteredClip instead of the mean.
+
+In hivemind 1.1.12 every peer of an averaging group reduces one slice of the tensors: ``TensorPartReducer`` adds
+each sender's part scaled by the weight the sender wrote into its own message and divides by the sum of weights,
+and ``TensorPartContainer`` adds whatever each reducer sends back to the local tensors. So one sender decides the
+average with weight 1e9, and one NaN (a part, a weight) poisons it for the whole group. Here:
+
+- :class:`RobustTensorPartReducer` keeps every sender's part until all have arrived, screens them
+  (:func:`lightning_swarm.aggregation.screen_contributions`: finite positive weight, at most the sender's bound,
+  finite part) and aggregates what passed with the weighted mean or CenteredClip. Refused senders are named in one
+  log line per round.
+- :class:`CheckedTensorPartContainer` refuses a non-finite result from a reducer: that slice keeps its local value
+  (as hivemind does when a reducer fails), and the reducer is named in the log.
+- :class:`RobustAveraging` (a mixin for hivemind averagers) runs every round with these; subclasses give the
+  per-sender weight bounds (:meth:`RobustAveraging.sender_weight_bounds`).
+
+What stays open: a reducer that returns a wrong but finite result for its slice is believed (hivemind has no way to
+check it; Gorbunov et al.'s BTARD adds verification for that, not done here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections import defaultdict
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartContainer, TensorPartReducer
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import as_aiter, azip
+
+from lightning_swarm.aggregation import (
+    DEFAULT_CENTERED_CLIP_ITERS,
+    aggregate_parts,
+    check_aggregation_options,
+    screen_contributions,
+)
+
+log = logging.getLogger(__name__)
+
+
+class RobustTensorPartReducer(TensorPartReducer):
+    """A TensorPartReducer that screens each sender's part and weight and aggregates with ``aggregation``.
+
+    Args:
+        part_shapes, num_senders: as hivemind's TensorPartReducer.
+        sender_names: a printable name per sender (its peer id), for the log.
+        aggregation: "mean" or "centered_clip".
+        centered_clip_tau, centered_clip_iters: CenteredClip's radius (None: adaptive) and iteration count.
+        max_weights: the largest weight accepted from each sender (None: no bound).
+    """
+
+    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, *, sender_names: Sequence[str],
+                 aggregation: str = "mean", centered_clip_tau: Optional[float] = None,
+                 centered_clip_iters: int = DEFAULT_CENTERED_CLIP_ITERS,
+                 max_weights: Optional[Sequence[float]] = None):
+        self.sender_names, self.aggregation = list(sender_names), aggregation
+        self.centered_clip_tau, self.centered_clip_iters, self.max_weights = centered_clip_tau, centered_clip_iters, max_weights
+        self.refusals: Dict[int, Dict[str, int]] = defaultdict(lambda: defaultdict(int))  # sender -> reason -> parts
+        self._parts: List[Optional[torch.Tensor]] = [None] * num_senders
+        self._weights: List[float] = [0.0] * num_senders
+        super().__init__(part_shapes, num_senders)
+
+    def reset_accumulators(self):
+        # hivemind 1.1.12's reset, keeping the senders' parts instead of a running sum
+        if self.current_part_index >= self.num_parts - 1:
+            self.finalize()
+            return
+        self.current_part_index += 1
+        self.current_part_accumulated_from = 0
+        self.current_part_future = asyncio.Future()
+        self.num_current_senders = sum(self.current_part_index < failed for failed in self.sender_failed_after)
+        self.accumulator, self.denominator = None, 0.0
+        self._parts = [None] * self.num_senders
+        self._weights = [0.0] * self.num_senders
+
+    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
+                              weight: float = 1.0) -> torch.Tensor:
+        """Keep the sender's part, wait until every sender's part is in, return the group's result (or, if no
+        sender's contribution was accepted, this sender's own part: a zero change)."""
+        assert 0 <= sender_index < self.num_senders, "invalid sender index"
+        assert 0 <= part_index < self.num_parts, "invalid part index"
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:  # wait for the previous parts to be done (as hivemind)
+            await asyncio.wait({self.current_part_future, asyncio.create_task(self.finished.wait())},
+                               return_when=asyncio.FIRST_COMPLETED)
+            if self.finished.is_set():
+                raise AllreduceException(f"attempted to aggregate part in a finalized {self.__class__.__name__}")
+        if self.sender_failed_after[sender_index] != float("inf"):
+            raise BannedException(f"sender {sender_index} was banned in background")
+        assert part_index == self.current_part_index
+        current_part_future = self.current_part_future
+        if part_index < self.sender_failed_after[sender_index]:
+            self._parts[sender_index], self._weights[sender_index] = tensor_part, weight
+            self.current_part_accumulated_from += 1
+            self.check_current_part_finished()
+        result = await current_part_future
+        return tensor_part if result is None else result
+
+    def check_current_part_finished(self):
+        assert self.current_part_accumulated_from <= self.num_current_senders
+        if self.current_part_accumulated_from == self.num_current_senders:
+            self.current_part_future.set_result(self._aggregate_current_part())
+            self.reset_accumulators()
+
+    def _aggregate_current_part(self) -> Optional[torch.Tensor]:
+        accepted, weights, refusals = screen_contributions(self._parts, self._weights, self.max_weights)
+        for refusal in refusals:
+            self.refusals[refusal.sender][refusal.reason] += 1
+        if not accepted:
+            return None
+        return aggregate_parts([self._parts[i] for i in accepted], weights, self.aggregation,
+                               self.centered_clip_tau, self.centered_clip_iters)
+
+    def finalize(self):
+        if not self.finished.is_set() and self.refusals:
+            for sender, reasons in self.refusals.items():
+                text = "; ".join(f"{reason} ({count} of {self.num_parts} parts)" for reason, count in reasons.items())
+                log.warning(f"[lightning_swarm] averaging: from sender {self.sender_names[sender]}: {text}")
+        super().finalize()
+
+
+class CheckedTensorPartContainer(TensorPartContainer):
+    """A TensorPartContainer that refuses non-finite results from reducers: the slice keeps its local value.
+
+    Args:
+        peer_names: a printable name per group member (its peer id), for the log.
+        *args, **kwargs: as hivemind's TensorPartContainer.
+    """
+
+    def __init__(self, *args, peer_names: Sequence[str], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.peer_names = list(peer_names)
+        self.refused_parts_by_peer = [0] * self.group_size
+
+    def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor):
+        if not bool(torch.isfinite(part).all()):
+            self.refused_parts_by_peer[peer_index] += 1
+            local_part = self._input_parts_by_peer[peer_index][part_index][0]
+            part = torch.zeros_like(local_part) if self.return_deltas else local_part
+        super().register_processed_part(peer_index, part_index, part)
+
+    def finalize(self):
+        if not self.finished.is_set():
+            for name, refused in zip(self.peer_names, self.refused_parts_by_peer):
+                if refused:
+                    log.warning(f"[lightning_swarm] averaging: refused {refused} non-finite result part(s) from reducer "
+                                f"{name}; kept the local values there")
+        super().finalize()
+
+
+_RUNNER_ARGUMENTS = frozenset(inspect.signature(AllReduceRunner.__init__).parameters) - {"self", "kwargs"}
+
+
+class RobustAllReduceRunner(AllReduceRunner):
+    """hivemind's AllReduceRunner with :class:`CheckedTensorPartContainer` and :class:`RobustTensorPartReducer`.
+
+    Args:
+        aggregation, centered_clip_tau, centered_clip_iters: see :class:`RobustTensorPartReducer`.
+        max_weight_by_peer: the largest weight accepted from each sender (missing: 0, i.e. refused); None: no bound.
+        **kwargs: as hivemind's AllReduceRunner (and its TensorPartContainer).
+    """
+
+    def __init__(self, *, aggregation: str = "mean", centered_clip_tau: Optional[float] = None,
+                 centered_clip_iters: int = DEFAULT_CENTERED_CLIP_ITERS,
+                 max_weight_by_peer: Optional[Dict[PeerID, float]] = None, **kwargs):
+        super().__init__(**kwargs)
+        # hivemind builds its container and reducer inline: replace both (marked finished, they finalize silently)
+        self.tensor_part_container.finished.set()
+        self.tensor_part_reducer.finished.set()
+        container_kwargs = {k: v for k, v in kwargs.items() if k not in _RUNNER_ARGUMENTS}
+        self.tensor_part_container = CheckedTensorPartContainer(
+            kwargs["tensors"], self.peer_fractions, return_deltas=True,
+            peer_names=[str(peer) for peer in self.ordered_peer_ids], **container_kwargs,
+        )
+        self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(
+            self.ordered_peer_ids.index(self.peer_id))
+        max_weights = None
+        if max_weight_by_peer is not None:
+            max_weights = [float("inf") if peer == self.peer_id else max_weight_by_peer.get(peer, 0.0)
+                           for peer in self.sender_peer_ids]
+        self.tensor_part_reducer = RobustTensorPartReducer(
+            tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids),
+            sender_names=[str(peer) for peer in self.sender_peer_ids], aggregation=aggregation,
+            centered_clip_tau=centered_clip_tau, centered_clip_iters=centered_clip_iters, max_weights=max_weights,
+        )
+
+
+class RobustAveraging:
+    """Mixin for hivemind averager classes: every all-reduce round runs a :class:`RobustAllReduceRunner`.
+
+    Args:
+        aggregation: "mean" (hivemind's weighted mean, over screened contributions) or "centered_clip".
+        centered_clip_tau: CenteredClip's radius; None: adaptive (see :func:`lightning_swarm.aggregation.centered_clip`).
+        centered_clip_iters: CenteredClip's maximum number of iterations.
+        max_sender_weight: a fixed bound for every sender's weight (e.g. 1.0 for state averaging, where hivemind
+            gives every peer weight 1); None: :meth:`sender_weight_bounds` decides.
+        *args, **kwargs: as the averager class this is mixed into.
+    """
+
+    def __init__(self, *args, aggregation: str = "mean", centered_clip_tau: Optional[float] = None,
+                 centered_clip_iters: int = DEFAULT_CENTERED_CLIP_ITERS, max_sender_weight: Optional[float] = None,
+                 **kwargs):
+        check_aggregation_options(aggregation, centered_clip_tau, centered_clip_iters)
+        self.aggregation, self.centered_clip_tau, self.centered_clip_iters = aggregation, centered_clip_tau, centered_clip_iters
+        self.max_sender_weight = max_sender_weight
+        super().__init__(*args, **kwargs)  # may start the averager's process: the options must be set before
+
+    async def sender_weight_bounds(self, group_info: GroupInfo) -> Optional[Dict[PeerID, float]]:
+        """The largest weight accepted from each peer of the group (None: no bound). Runs in the averager's
+        process, before each round."""
+        if self.max_sender_weight is None:
+            return None
+        return {peer: float(self.max_sender_weight) for peer in group_info.peer_ids}
+
+    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
+                                      group_id: Optional[bytes] = None, **kwargs):
+        # hivemind 1.1.12's DecentralizedAverager._run_allreduce_inplace_, with RobustAllReduceRunner
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = RobustAllReduceRunner(
+            p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids, aggregation=self.aggregation,
+            centered_clip_tau=self.centered_clip_tau, centered_clip_iters=self.centered_clip_iters,
+            max_weight_by_peer=await self.sender_weight_bounds(group_info), **kwargs,
+        )
+        assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
+        self._running_groups[group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
+            async for tensor, update in azip(as_aiter(*tensors), runner):
+                tensor.add_(update, alpha=self._averaging_alpha)
+                self.last_updated = get_dht_time()
+                self._state_updated.set()
+        else:
+            async for _ in runner:
+                raise ValueError("aux peers should not receive averaged tensors")
+
+
+class ProgressBoundedWeights(RobustAveraging):
+    """RobustAveraging for gradients: a sender's weight is at most the samples it reported to the progress tracker.
+
+    The bound is the sender's latest progress record (``samples_accumulated``) plus what its reported throughput
+    adds since the record was made (records are published at most every few tenths of a second).
+
+    Args:
+        progress_key: the run's progress key in the DHT (``f"{run_id}_progress"``).
+        *args, **kwargs: as :class:`RobustAveraging`.
+    """
+
+    def __init__(self, *args, progress_key: str, **kwargs):
+        self.progress_key = progress_key
+        super().__init__(*args, **kwargs)
+
+    async def sender_weight_bounds(self, group_info: GroupInfo) -> Optional[Dict[PeerID, float]]:
+        try:
+            found = await asyncio.wait_for(self.dht.get(self.progress_key, latest=True, return_future=True),
+                                           timeout=self.request_timeout)
+        except Exception as e:
+            log.warning(f"[lightning_swarm] averaging: could not read the progress records ({e!r}): "
+                        "refusing the other peers' gradients this round")
+            found = None
+        return progress_weight_bounds(found.value if found is not None else None, get_dht_time())
+
+
+def progress_weight_bounds(records: object, now: float) -> Dict[PeerID, float]:
+    """Per-peer bound on a gradient weight from the progress records in the DHT (subkey -> ValueWithExpiration of
+    hivemind's ``LocalTrainingProgress`` dict); malformed records are skipped. A peer id claimed by several records
+    gets the largest bound (a peer cannot lower another's)."""
+    bounds: Dict[PeerID, float] = {}
+    if not isinstance(records, dict):
+        return bounds
+    for entry in records.values():
+        value = getattr(entry, "value", None)
+        if not isinstance(value, dict):
+            continue
+        try:
+            peer = PeerID(value["peer_id"])
+            samples, speed, made = float(value["samples_accumulated"]), float(value["samples_per_second"]), float(value["time"])
+        except Exception:
+            continue
+        bound = samples + max(0.0, speed) * min(max(0.0, now - made), 60.0)
+        if bound == bound and bound != float("inf"):  # finite
+            bounds[peer] = max(bounds.get(peer, 0.0), bound)
+    return bounds
