@@ -8,15 +8,22 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import logging
+import math
 import os
+from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Mapping, Optional
+from typing import Callable, Dict, List, Mapping, Optional
 
 from lightning_swarm.metrics import LocalMetrics
 
 # a peer whose two consecutive records are further apart than this was away in between: the gap is not
 # counted as time it contributed
 MAX_CONTRIBUTION_GAP_SECONDS = 120.0
+# a record may be stamped this far ahead of the monitor's DHT clock (peers' clocks differ by a few seconds)
+MAX_CLOCK_SKEW_SECONDS = 60.0
+
+logger = logging.getLogger(__name__)
 
 
 def peer_name(public_key: bytes) -> str:
@@ -34,6 +41,7 @@ class SwarmSnapshot:
     samples_per_second: sum of the alive peers' throughputs
     samples_contributed: samples all peers (alive or not) contributed so far
     records: the records this was computed from, by peer name (for auditing)
+    refused_records: records the monitor refused so far, by reason (see :class:`RecordScreen`)
     """
 
     step: int
@@ -42,6 +50,7 @@ class SwarmSnapshot:
     samples_per_second: float
     samples_contributed: int
     records: Dict[str, dict] = field(default_factory=dict)
+    refused_records: Dict[str, int] = field(default_factory=dict)
 
     def as_metrics(self) -> Dict[str, float]:
         """What gets sent to the Lightning loggers."""
@@ -51,11 +60,14 @@ class SwarmSnapshot:
             "swarm/samples_per_second": self.samples_per_second,
             "swarm/samples_contributed": float(self.samples_contributed),
             "swarm/epoch": float(self.step),
+            "swarm/refused_records": float(sum(self.refused_records.values())),
         }
 
 
-def aggregate(records: Mapping[bytes, LocalMetrics], samples_contributed: int = 0) -> Optional[SwarmSnapshot]:
-    """Swarm-wide figures from ``records`` (public key -> latest record); None if there is no record."""
+def aggregate(records: Mapping[bytes, LocalMetrics], samples_contributed: int = 0,
+              refused_records: Optional[Mapping[str, int]] = None) -> Optional[SwarmSnapshot]:
+    """Swarm-wide figures from ``records`` (public key -> latest record); None if there is no record.
+    ``refused_records``: counts of refused records by reason, passed into the snapshot."""
     if not records:
         return None
     total_steps = sum(r.mini_steps for r in records.values())
@@ -70,7 +82,68 @@ def aggregate(records: Mapping[bytes, LocalMetrics], samples_contributed: int = 
         samples_per_second=float(sum(r.samples_per_second for r in records.values())),
         samples_contributed=int(samples_contributed),
         records={peer_name(key): r.dict() for key, r in records.items()},
+        refused_records=dict(refused_records or {}),
     )
+
+
+class RecordScreen:
+    """Drops implausible metrics records before they reach the figures or the contribution table, and counts them.
+
+    A record's signature only proves which key made it, not that its figures are true: anyone can mint a key and
+    publish a schema-valid NaN loss, 1e15 samples or a time in the future. Refused (reason in :attr:`refused`):
+
+    - ``non_finite``: loss, samples/s or time is NaN or infinite;
+    - ``future_time``: stamped more than ``max_clock_skew`` seconds after the monitor's DHT time;
+    - ``epoch_beyond_swarm``: a global epoch more than one past the swarm's (as the progress tracker sees it);
+    - ``samples_beyond_epochs``: more samples than the swarm's epochs hold (``(epoch + 2) * target_batch_size``:
+      every epoch so far, the current one, and one epoch's worth of slack for overshoot).
+    - ``unauthenticated``: ``identify`` (if given) knows no user for the record's key.
+
+    Args:
+        target_batch_size: the run's samples per global epoch.
+        max_clock_skew: seconds a record's time may be ahead of the monitor's.
+        identify: the authentication hook: maps a record's public key (the DHT subkey) to the user it was issued
+            to, or None to refuse the record. None (runs without an authority): every validly signed key counts.
+    """
+
+    def __init__(self, target_batch_size: int, max_clock_skew: float = MAX_CLOCK_SKEW_SECONDS,
+                 identify: Optional[Callable[[bytes], Optional[str]]] = None):
+        self.target_batch_size, self.max_clock_skew, self.identify = target_batch_size, max_clock_skew, identify
+        self.refused: Counter = Counter()
+        self.users: Dict[bytes, str] = {}  # public key -> user, for the keys ``identify`` accepted
+        self._seen_refusals: set = set()  # (key, reason, record time): each refused record counted once
+
+    def reason_to_refuse(self, key: bytes, record: LocalMetrics, swarm_epoch: int, now: float) -> Optional[str]:
+        """Why ``record`` is implausible, or None if it is accepted."""
+        if not all(math.isfinite(value) for value in (record.loss, record.samples_per_second, record.time)):
+            return "non_finite"
+        if record.time > now + self.max_clock_skew:
+            return "future_time"
+        if record.step > swarm_epoch + 1:
+            return "epoch_beyond_swarm"
+        if record.samples_accumulated > (max(swarm_epoch, record.step) + 2) * self.target_batch_size:
+            return "samples_beyond_epochs"
+        if self.identify is not None:
+            user = self.identify(key)
+            if user is None:
+                return "unauthenticated"
+            self.users[key] = user
+        return None
+
+    def screen(self, records: Mapping[bytes, LocalMetrics], swarm_epoch: int, now: float) -> Dict[bytes, LocalMetrics]:
+        """The plausible ``records``; each refused record is counted (once) and logged."""
+        accepted = {}
+        for key, record in records.items():
+            reason = self.reason_to_refuse(key, record, swarm_epoch, now)
+            if reason is None:
+                accepted[key] = record
+                continue
+            if (key, reason, record.time) not in self._seen_refusals:
+                self._seen_refusals.add((key, reason, record.time))
+                self.refused[reason] += 1
+                logger.warning(f"refused a metrics record of peer {peer_name(key)} ({reason}): step {record.step}, "
+                               f"loss {record.loss}, samples {record.samples_accumulated}, time {record.time}")
+        return accepted
 
 
 @dataclass

@@ -8,12 +8,13 @@ import logging
 import os
 import threading
 import time
-from typing import List, Optional
+from typing import Callable, List, Optional
 
+from hivemind.utils import get_dht_time
 from lightning.pytorch.loggers import CSVLogger, Logger
 
 from lightning_swarm.checkpoint.saver import CheckpointSaver
-from lightning_swarm.monitor.aggregate import ContributionTable, SwarmSnapshot, aggregate
+from lightning_swarm.monitor.aggregate import ContributionTable, RecordScreen, SwarmSnapshot, aggregate
 from lightning_swarm.monitor.dashboard import DashboardState
 from lightning_swarm.monitor.peer import MonitorPeer
 from lightning_swarm.monitor.samples import SampleRunner
@@ -72,6 +73,8 @@ class Monitor:
         revert_window: after a revert, keep announcing the reverted epoch for this many seconds.
         dashboard: receives every refresh's figures (served by :class:`~.dashboard.DashboardServer`).
         sampler: draws samples from every new checkpoint (for the dashboard).
+        identify: maps a metrics record's public key to its authenticated user, or None to keep the record out of
+            the figures and the contribution table (see :class:`RecordScreen`); None: every signed record counts.
     """
 
     def __init__(
@@ -85,6 +88,7 @@ class Monitor:
         revert_window: float = 300.0,
         dashboard: Optional[DashboardState] = None,
         sampler: Optional[SampleRunner] = None,
+        identify: Optional[Callable[[bytes], Optional[str]]] = None,
     ):
         if save_every_epochs < 1:
             raise ValueError(f"save_every_epochs must be >= 1, got {save_every_epochs}")
@@ -92,6 +96,7 @@ class Monitor:
         self.save_every_epochs, self.refresh_period, self.revert_window = save_every_epochs, refresh_period, revert_window
         self.dashboard, self.sampler = dashboard, sampler
         self.contributions = ContributionTable()
+        self.screen = RecordScreen(peer.target_batch_size, identify=identify)
         self.last_snapshot: Optional[SwarmSnapshot] = None
         self.last_saved_epoch = peer.epoch
         self._newest_record_time = -float("inf")
@@ -113,9 +118,9 @@ class Monitor:
                 self.peer.announce_revert()
             else:
                 self.peer.end_revert()
-        records = self.peer.fetch_metrics()
-        self.contributions.update(records)
-        snapshot = aggregate(records, self.contributions.total_samples)
+        records = self.screen.screen(self.peer.fetch_metrics(), self.peer.swarm_epoch, now=get_dht_time())
+        self.contributions.update(records, users=self.screen.users)
+        snapshot = aggregate(records, self.contributions.total_samples, dict(self.screen.refused))
         newest = max((r.time for r in records.values()), default=-float("inf"))
         if snapshot is None or newest <= self._newest_record_time:
             return None

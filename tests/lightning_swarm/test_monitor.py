@@ -287,3 +287,40 @@ def test_monitor_with_two_trainers_checkpoint_and_revert(tmp_path):
             (tmp_path / f"stop_{name}").touch()
         for proc in procs:
             proc.stop()
+
+
+def test_record_screen_drops_and_counts_implausible_records():
+    from lightning_swarm.monitor.aggregate import RecordScreen
+
+    screen = RecordScreen(target_batch_size=100, max_clock_skew=30.0)
+    good = record(step=5, samples=300, t=1000.0)
+    records = {
+        b"good": good,
+        b"nan_loss": record(step=5, loss=float("nan"), t=1000.0),
+        b"inf_speed": record(step=5, sps=float("inf"), t=1000.0),
+        b"future": record(step=5, t=1000.0 + 3600),
+        b"epoch": record(step=10**15, t=1000.0),
+        b"samples": record(step=5, samples=10**15, t=1000.0),
+    }
+    accepted = screen.screen(records, swarm_epoch=5, now=1000.0)
+    assert accepted == {b"good": good}
+    assert screen.refused == {"non_finite": 2, "future_time": 1, "epoch_beyond_swarm": 1, "samples_beyond_epochs": 1}
+    screen.screen(records, swarm_epoch=5, now=1001.0)  # the same records again are not counted twice
+    assert sum(screen.refused.values()) == 5
+    # the snapshot and the contribution table see only the good record
+    table = ContributionTable()
+    table.update(accepted)
+    snapshot = aggregate(accepted, table.total_samples, dict(screen.refused))
+    assert snapshot.step == 5 and snapshot.loss == 1.0 and table.total_samples == 300
+    assert snapshot.as_metrics()["swarm/refused_records"] == 5.0
+
+
+def test_record_screen_authentication_hook_keeps_unknown_keys_out_of_the_table():
+    from lightning_swarm.monitor.aggregate import RecordScreen
+
+    screen = RecordScreen(target_batch_size=100, identify={b"alice_key": "alice"}.get)
+    accepted = screen.screen({b"alice_key": record(), b"stranger": record()}, swarm_epoch=3, now=100.0)
+    assert list(accepted) == [b"alice_key"] and screen.refused == {"unauthenticated": 1}
+    table = ContributionTable()
+    table.update(accepted, users=screen.users)
+    assert [(row.peer, row.user) for row in table.sorted_rows()] == [(peer_name(b"alice_key"), "alice")]
