@@ -38,6 +38,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_swarm import compression as swarm_compression
 from lightning_swarm import metrics as swarm_metrics
 from lightning_swarm.callbacks.progress import SwarmProgress
+from lightning_swarm.aggregation import DEFAULT_CENTERED_CLIP_ITERS, check_aggregation_options
 from lightning_swarm.peers import (
     INITIAL_PEERS_ENV,
     check_listen_maddrs,
@@ -117,6 +118,13 @@ class HivemindStrategy(SingleDeviceStrategy):
         load_state_compression: codec of the state a joining peer downloads (same choices). Default ``"none"``:
             a newcomer starts from exactly the swarm's parameters, not from a rounding of them (it is one
             download per join; use ``"fp16"`` to halve it).
+        aggregation: how each averaging round combines the peers' tensors: ``"mean"`` (hivemind's weighted
+            mean) or ``"centered_clip"`` (CenteredClip, robust to a minority of malicious peers; needs 3+ peers to
+            tell one apart). Either way, a sender's weight must be finite, positive and at most the samples in its
+            progress record, and a sender's non-finite part is dropped (see :mod:`lightning_swarm.aggregation`).
+        centered_clip_tau: CenteredClip's clipping radius (L2 norm per all-reduce part of 2**19 bytes); default
+            None: adaptive, the weighted median of the senders' distances to the current estimate.
+        centered_clip_iters: at most this many CenteredClip iterations per part.
         averager_opts: extra keyword arguments for hivemind's averagers (e.g. ``{"request_timeout": 1.0}``), plus
             ``leader_poll_interval``: minimum seconds between two DHT reads of the averagers looking for a group
             (default: a tenth of matchmaking_time, at most 0.5 s; hivemind itself polls without pause).
@@ -137,6 +145,8 @@ class HivemindStrategy(SingleDeviceStrategy):
     """
 
     strategy_name = "hivemind"
+    # the gradient averager hivemind.Optimizer builds (a subclass may change how this peer sends its gradients)
+    grad_averager_class = SwarmGradientAverager
 
     def __init__(
         self,
@@ -162,6 +172,9 @@ class HivemindStrategy(SingleDeviceStrategy):
         average_state_every: int = 1,
         compression: Union[str, CompressionBase] = "adaptive",
         load_state_compression: Union[str, CompressionBase] = "none",
+        aggregation: str = "mean",
+        centered_clip_tau: Optional[float] = None,
+        centered_clip_iters: int = DEFAULT_CENTERED_CLIP_ITERS,
         averager_opts: Optional[Dict[str, Any]] = None,
         tracker_opts: Optional[Dict[str, Any]] = None,
         publish_metrics: bool = True,
@@ -212,7 +225,11 @@ class HivemindStrategy(SingleDeviceStrategy):
             if isinstance(value, str) and value not in COMPRESSION_CHOICES:
                 raise ValueError(f"{name} must be one of {COMPRESSION_CHOICES}, got {value!r}")
 
+        check_aggregation_options(aggregation, centered_clip_tau, centered_clip_iters)
+
         self.run_id = run_id
+        self.robust_averaging_opts = dict(aggregation=aggregation, centered_clip_tau=centered_clip_tau,
+                                          centered_clip_iters=centered_clip_iters)
         self.target_batch_size = target_batch_size
         self.initial_peers = resolve_initial_peers(initial_peers)
         self.host_maddrs = check_listen_maddrs(host_maddrs, "host_maddrs") or ["/ip4/0.0.0.0/tcp/0"]
@@ -386,7 +403,8 @@ class HivemindStrategy(SingleDeviceStrategy):
         # hivemind passes averager_opts to the state averager only; the gradient averager needs them too
         # (with local updates there is no gradient averager, and hivemind refuses a factory for it)
         grad_averager_factory = None if kwargs["use_local_updates"] else functools.partial(
-            SwarmGradientAverager, **kwargs["averager_opts"])
+            self.grad_averager_class, progress_key=f"{self.run_id}_progress", **self.robust_averaging_opts,
+            **kwargs["averager_opts"])
         return SwarmOptimizer(
             dht=self.start_dht(),
             run_id=self.run_id,
@@ -395,6 +413,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             params=optimizer.param_groups,
             scheduler=scheduler_factory,
             grad_averager_factory=grad_averager_factory,
+            robust_averaging_opts=self.robust_averaging_opts,
             **kwargs,
         )
 

@@ -21,9 +21,11 @@ import hivemind
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 
+from lightning_swarm.hivemind_ext.finite_state import FiniteStateDownload
 from lightning_swarm.hivemind_ext.grad_averager import SampleWeightedGradientAverager
 from lightning_swarm.hivemind_ext.matchmaking import ThrottledLeaderSearch
 from lightning_swarm.hivemind_ext.state_download import NoStateDownload, VerifiedStateDownload
+from lightning_swarm.hivemind_ext.robust_allreduce import ProgressBoundedWeights, RobustAveraging
 from lightning_swarm.hivemind_ext.tracker import ThrottledProgressTracker
 
 
@@ -40,14 +42,23 @@ class HivemindRpcNames:
         return hivemind_class._get_handle_name(namespace, method_name)
 
 
-class SwarmGradientAverager(HivemindRpcNames, ThrottledLeaderSearch, SampleWeightedGradientAverager, NoStateDownload):
+class SwarmGradientAverager(HivemindRpcNames, ThrottledLeaderSearch, ProgressBoundedWeights,
+                            SampleWeightedGradientAverager, NoStateDownload):
     """Gradient averager of a SwarmOptimizer: mean over samples, throttled leader search (``leader_poll_interval``),
-    and a newcomer does not download the donor's gradient buffers (they are reset right after)."""
+    screened all-reduce (``aggregation``, ``centered_clip_tau``, ``centered_clip_iters``; each sender's weight at
+    most the samples in its progress record, read from ``progress_key``), no non-finite gradient sent, and a
+    newcomer does not download the donor's gradient buffers (they are reset right after)."""
 
 
-class SwarmStateAverager(HivemindRpcNames, ThrottledLeaderSearch, TrainingStateAverager, VerifiedStateDownload):
-    """State averager of a SwarmOptimizer: hivemind's TrainingStateAverager with a throttled leader search and a
-    verified, retried state download (``state_download_attempts``)."""
+class SwarmStateAverager(HivemindRpcNames, ThrottledLeaderSearch, RobustAveraging, TrainingStateAverager,
+                         FiniteStateDownload, VerifiedStateDownload):
+    """State averager of a SwarmOptimizer: hivemind's TrainingStateAverager with a throttled leader search, a
+    screened all-reduce (every peer has weight 1 in state averaging: ``max_sender_weight=1``), a verified, retried
+    state download (``state_download_attempts``) and no non-finite downloaded state."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("max_sender_weight", 1.0)
+        super().__init__(*args, **kwargs)
 
 
 class SwarmOptimizer(hivemind.Optimizer):
@@ -55,10 +66,13 @@ class SwarmOptimizer(hivemind.Optimizer):
 
     ``tracker_opts`` may set ``min_report_interval`` (see ThrottledProgressTracker); ``averager_opts`` and the
     ``grad_averager_factory`` may set ``leader_poll_interval`` (see ThrottledLeaderSearch). The default gradient
-    averager is :class:`SwarmGradientAverager`.
+    averager is :class:`SwarmGradientAverager`. ``robust_averaging_opts`` (``aggregation``, ``centered_clip_tau``,
+    ``centered_clip_iters``) configure the state averager's all-reduce (see RobustAveraging); give the gradient
+    averager's through ``grad_averager_factory``.
     """
 
-    def __init__(self, *args, grad_averager_factory=SwarmGradientAverager, **kwargs):
+    def __init__(self, *args, grad_averager_factory=SwarmGradientAverager, robust_averaging_opts=None, **kwargs):
+        self.robust_averaging_opts = dict(robust_averaging_opts or {})  # read by _make_state_averager in super()
         super().__init__(*args, grad_averager_factory=grad_averager_factory, **kwargs)
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
@@ -87,6 +101,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             client_mode=self.client_mode,
             auxiliary=self.auxiliary,
             start=True,
+            **self.robust_averaging_opts,
             **kwargs,
         )
 

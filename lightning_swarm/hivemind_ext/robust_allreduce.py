@@ -247,11 +247,17 @@ class ProgressBoundedWeights(RobustAveraging):
     adds since the record was made (records are published at most every few tenths of a second).
 
     Args:
-        progress_key: the run's progress key in the DHT (``f"{run_id}_progress"``).
+        progress_key: the run's progress key in the DHT (``f"{run_id}_progress"``). Default: derived from the
+            averager's prefix as hivemind.Optimizer names it (``f"{run_id}_grad_averager"``).
         *args, **kwargs: as :class:`RobustAveraging`.
     """
 
-    def __init__(self, *args, progress_key: str, **kwargs):
+    def __init__(self, *args, progress_key: Optional[str] = None, **kwargs):
+        if progress_key is None:
+            prefix = kwargs.get("prefix", "")
+            if not prefix.endswith("_grad_averager"):
+                raise ValueError(f"give progress_key: it can't be derived from the averager's prefix {prefix!r}")
+            progress_key = prefix[: -len("_grad_averager")] + "_progress"
         self.progress_key = progress_key
         super().__init__(*args, **kwargs)
 
