@@ -39,6 +39,7 @@ from lightning_swarm import compression as swarm_compression
 from lightning_swarm import metrics as swarm_metrics
 from lightning_swarm.callbacks.progress import SwarmProgress
 from lightning_swarm.aggregation import DEFAULT_CENTERED_CLIP_ITERS, check_aggregation_options
+from lightning_swarm.hivemind_ext.state import progress_key
 from lightning_swarm.peers import (
     INITIAL_PEERS_ENV,
     check_listen_maddrs,
@@ -403,7 +404,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         # hivemind passes averager_opts to the state averager only; the gradient averager needs them too
         # (with local updates there is no gradient averager, and hivemind refuses a factory for it)
         grad_averager_factory = None if kwargs["use_local_updates"] else functools.partial(
-            self.grad_averager_class, progress_key=f"{self.run_id}_progress", **self.robust_averaging_opts,
+            self.grad_averager_class, progress_key=progress_key(self.run_id), **self.robust_averaging_opts,
             **kwargs["averager_opts"])
         return SwarmOptimizer(
             dht=self.start_dht(),

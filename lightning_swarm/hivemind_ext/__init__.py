@@ -30,6 +30,18 @@ Every private name used is listed in :data:`~lightning_swarm.hivemind_ext.privat
 ``grad_averager`` (gradients averaged per sample, not per local step)
     - ``GradientAverager._anchor_batch_size``, ``GradientAverager._grad_accumulators``,
       ``GradientAverager.local_samples_accumulated``, ``GradientAverager.load_accumulators_into_averager_``.
+``robust_allreduce`` (screened all-reduce, CenteredClip; see that module)
+    - ``TensorPartReducer``: ``reset_accumulators``, ``accumulate_part``, ``check_current_part_finished`` and
+      ``finalize`` overridden on hivemind's reducer state ``current_part_index``, ``current_part_accumulated_from``,
+      ``current_part_future``, ``num_current_senders``, ``sender_failed_after``, ``num_parts_received``,
+      ``accumulator``, ``denominator``, ``finished``.
+    - ``TensorPartContainer.register_processed_part`` and ``TensorPartContainer.finalize`` extended, reading
+      ``_input_parts_by_peer`` and ``finished``.
+    - ``AllReduceRunner``'s ``tensor_part_container``, ``tensor_part_reducer`` and ``parts_for_local_averaging``
+      replaced after hivemind built them; ``sender_peer_ids`` names the senders.
+    - ``DecentralizedAverager._run_allreduce_inplace_``: hivemind's, building our runner; it uses ``_p2p``,
+      ``_running_groups``, ``_averaging_alpha``, ``_state_updated`` as hivemind does.
+``finite_state`` (a downloaded state with NaN/Inf is refused): public API only (``load_state_from_peers``).
 ``state`` (the monitor moving a state averager to another epoch)
     - ``TrainingStateAverager._update_scheduler``: steps the LR schedule to the new epoch.
     - ``ProgressTracker.training_progress_key``'s format: the monitor announces a reverted epoch under it.

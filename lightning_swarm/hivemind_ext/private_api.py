@@ -122,6 +122,42 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
         ("GradientAverager._anchor_batch_size", "the batch size hivemind scales accumulated gradients by"),
         ("GradientAverager.local_samples_accumulated", "samples in the accumulators"),
     ], instance=True)
+    + _symbols("hivemind.averaging.partition", "robust_allreduce", [
+        ("TensorPartReducer.reset_accumulators", "overridden: keep each sender's part instead of a running sum"),
+        ("TensorPartReducer.accumulate_part", "overridden: hivemind's wait-for-part logic, storing the part"),
+        ("TensorPartReducer.check_current_part_finished", "overridden: aggregate the screened parts"),
+        ("TensorPartReducer.finalize", "extended: log the refused senders once per round"),
+        ("TensorPartContainer.register_processed_part", "extended: refuse a non-finite result from a reducer"),
+        ("TensorPartContainer.finalize", "extended: log the reducers whose results were refused"),
+    ])
+    + _symbols("hivemind.averaging.partition", "robust_allreduce", [
+        ("TensorPartReducer.current_part_index", "reducer state, handled as hivemind's reducer does"),
+        ("TensorPartReducer.current_part_accumulated_from", "reducer state, handled as hivemind's reducer does"),
+        ("TensorPartReducer.current_part_future", "reducer state, handled as hivemind's reducer does"),
+        ("TensorPartReducer.num_current_senders", "reducer state, handled as hivemind's reducer does"),
+        ("TensorPartReducer.sender_failed_after", "reducer state, handled as hivemind's reducer does"),
+        ("TensorPartReducer.num_parts_received", "reducer state, handled as hivemind's reducer does"),
+        ("TensorPartReducer.accumulator", "reducer state, handled as hivemind's reducer does"),
+        ("TensorPartReducer.denominator", "reducer state, handled as hivemind's reducer does"),
+        ("TensorPartReducer.finished", "marks hivemind's reducer done before it is replaced"),
+        ("TensorPartContainer._input_parts_by_peer", "the local part kept where a reducer's result is refused"),
+        ("TensorPartContainer.finished", "marks hivemind's container done before it is replaced"),
+    ], instance=True)
+    + _symbols("hivemind.averaging.allreduce", "robust_allreduce", [
+        ("AllReduceRunner.tensor_part_container", "replaced by a CheckedTensorPartContainer"),
+        ("AllReduceRunner.tensor_part_reducer", "replaced by a RobustTensorPartReducer"),
+        ("AllReduceRunner.parts_for_local_averaging", "re-taken from the replacement container"),
+        ("AllReduceRunner.sender_peer_ids", "names the senders and orders their weight bounds"),
+    ], instance=True)
+    + _symbols("hivemind.averaging.averager", "robust_allreduce", [
+        ("DecentralizedAverager._run_allreduce_inplace_", "overridden: hivemind's, building a RobustAllReduceRunner"),
+    ])
+    + _symbols("hivemind.averaging.averager", "robust_allreduce", [
+        ("DecentralizedAverager._p2p", "passed to the all-reduce runner, as hivemind does"),
+        ("DecentralizedAverager._running_groups", "where the runner is registered, as hivemind does"),
+        ("DecentralizedAverager._averaging_alpha", "applied to each averaged update, as hivemind does"),
+        ("DecentralizedAverager._state_updated", "set after each update, as hivemind does"),
+    ], instance=True)
     + _symbols("hivemind.optim.state_averager", "state", [
         ("TrainingStateAverager._update_scheduler", "steps the LR schedule to a new epoch set by the monitor"),
     ])

@@ -34,6 +34,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
+from lightning_swarm.hivemind_ext.state import progress_key as run_progress_key
 from lightning_swarm.aggregation import (
     DEFAULT_CENTERED_CLIP_ITERS,
     aggregate_parts,
@@ -257,7 +258,7 @@ class ProgressBoundedWeights(RobustAveraging):
             prefix = kwargs.get("prefix", "")
             if not prefix.endswith("_grad_averager"):
                 raise ValueError(f"give progress_key: it can't be derived from the averager's prefix {prefix!r}")
-            progress_key = prefix[: -len("_grad_averager")] + "_progress"
+            progress_key = run_progress_key(prefix[: -len("_grad_averager")])
         self.progress_key = progress_key
         super().__init__(*args, **kwargs)
 
