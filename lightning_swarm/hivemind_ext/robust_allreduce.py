@@ -183,8 +183,8 @@ class RobustAllReduceRunner(AllReduceRunner):
             self.ordered_peer_ids.index(self.peer_id))
         max_weights = None
         if max_weight_by_peer is not None:
-            max_weights = [float("inf") if peer == self.peer_id else max_weight_by_peer.get(peer, 0.0)
-                           for peer in self.sender_peer_ids]
+            # this peer's own weight too: its progress record is what the other reducers check it against
+            max_weights = [max_weight_by_peer.get(peer, 0.0) for peer in self.sender_peer_ids]
         self.tensor_part_reducer = RobustTensorPartReducer(
             tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids),
             sender_names=[str(peer) for peer in self.sender_peer_ids], aggregation=aggregation,
@@ -244,8 +244,10 @@ class RobustAveraging:
 class ProgressBoundedWeights(RobustAveraging):
     """RobustAveraging for gradients: a sender's weight is at most the samples it reported to the progress tracker.
 
-    The bound is the sender's latest progress record (``samples_accumulated``) plus what its reported throughput
-    adds since the record was made (records are published at most every few tenths of a second).
+    The bound is ``samples_accumulated`` in the sender's latest progress record, nothing more: extrapolating with the
+    samples/s a record declares would let a sender raise its own bound. An honest peer publishes its progress when
+    its step ends the epoch (:class:`~lightning_swarm.hivemind_ext.tracker.ThrottledProgressTracker`), so its record
+    is at most a step or two behind its weight, which then counts a little less.
 
     Args:
         progress_key: the run's progress key in the DHT (``f"{run_id}_progress"``). Default: derived from the
@@ -270,13 +272,13 @@ class ProgressBoundedWeights(RobustAveraging):
             log.warning(f"[lightning_swarm] averaging: could not read the progress records ({e!r}): "
                         "refusing the other peers' gradients this round")
             found = None
-        return progress_weight_bounds(found.value if found is not None else None, get_dht_time())
+        return progress_weight_bounds(found.value if found is not None else None)
 
 
-def progress_weight_bounds(records: object, now: float) -> Dict[PeerID, float]:
+def progress_weight_bounds(records: object) -> Dict[PeerID, float]:
     """Per-peer bound on a gradient weight from the progress records in the DHT (subkey -> ValueWithExpiration of
-    hivemind's ``LocalTrainingProgress`` dict); malformed records are skipped. A peer id claimed by several records
-    gets the largest bound (a peer cannot lower another's)."""
+    hivemind's ``LocalTrainingProgress`` dict): its ``samples_accumulated``. Malformed records are skipped. A peer id
+    claimed by several records gets the largest bound (a peer cannot lower another's)."""
     bounds: Dict[PeerID, float] = {}
     if not isinstance(records, dict):
         return bounds
@@ -285,11 +287,9 @@ def progress_weight_bounds(records: object, now: float) -> Dict[PeerID, float]:
         if not isinstance(value, dict):
             continue
         try:
-            peer = PeerID(value["peer_id"])
-            samples, speed, made = float(value["samples_accumulated"]), float(value["samples_per_second"]), float(value["time"])
+            peer, samples = PeerID(value["peer_id"]), float(value["samples_accumulated"])
         except Exception:
             continue
-        bound = samples + max(0.0, speed) * min(max(0.0, now - made), 60.0)
-        if bound == bound and bound != float("inf"):  # finite
-            bounds[peer] = max(bounds.get(peer, 0.0), bound)
+        if samples == samples and samples != float("inf"):  # finite
+            bounds[peer] = max(bounds.get(peer, 0.0), samples)
     return bounds

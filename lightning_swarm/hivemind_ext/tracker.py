@@ -9,8 +9,8 @@ calls it once per local step: at 40 steps/s per peer that is 40 RSA-signed store
 updated on every call, and its own samples are counted from the live value, not from its possibly older DHT
 record, so the epoch ends exactly when the swarm reached ``target_batch_size``) but publishes at
 most once per reporting interval; a report that arrives too early is published when the interval ends, so the
-latest progress always reaches the swarm within the interval. A new epoch, a reset to zero samples and shutdown are
-published at once.
+latest progress always reaches the swarm within the interval. A new epoch, a reset to zero samples, the step that
+ends an epoch (the averaging round bounds each sender's weight by its record) and shutdown are published at once.
 
 The interval follows how often peers fetch the swarm's progress: hivemind's fetcher waits ``0.4 x`` the time left
 to the next epoch (with 2 peers; up to ``0.8 x`` with many), between ``min_refresh_period`` and
@@ -105,6 +105,8 @@ class ThrottledProgressTracker(ProgressTracker):
             # samples to the global count above, add this peer too (see _parse_swarm_progress_data)
             self.global_progress.num_peers += 1
             self._counted_itself = True
+        # the step that ends the epoch: the averaging round about to start bounds each sender's weight by its record
+        urgent = urgent or self.ready_to_update_epoch
         if urgent:
             self.should_report_progress.set_now()
 

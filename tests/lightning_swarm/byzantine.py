@@ -9,9 +9,15 @@ Named in a peer's YAML as ``trainer.strategy.class_path: byzantine.ByzantineStra
 
 It bypasses the local guard that keeps an honest peer from sending non-finite gradients (it corrupts the
 gradients after the guard ran); everything else (its reducer part, its state) runs the honest code.
+
+:func:`run_swarm` trains a 3-peer swarm of tests/lightning_swarm/peer_worker.py peers whose third peer attacks
+(used by test_byzantine_swarm.py and tests/benchmarks/bench_robust_averaging.py).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -65,3 +71,66 @@ class ByzantineStrategy(HivemindStrategy):
     def grad_averager_class(self):
         attack = self.attack
         return lambda *args, **kwargs: ByzantineGradientAverager(*args, attack=attack, **kwargs)
+
+
+STOP_AT_EPOCH = 4
+# far from convergence after STOP_AT_EPOCH epochs, so that the loss hardly depends on which samples each epoch had
+# (in-process simulation: 1.6% relative std over sample draws), and an attack shows
+SWARM_MODEL = {"lr": 0.05, "lr_decay": 1.0, "step_delay": 0.01}
+SWARM_TARGET_BATCH_SIZE = 384
+
+
+def swarm_strategy_args(run_id: str, aggregation: str, **overrides) -> dict:
+    args = dict(run_id=run_id, target_batch_size=SWARM_TARGET_BATCH_SIZE, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                matchmaking_time=1.5, averaging_timeout=15.0, load_state_timeout=20.0, metrics_interval=1.0,
+                aggregation=aggregation,
+                tracker_opts={"max_refresh_period": 1.0, "min_refresh_period": 0.2, "default_refresh_period": 0.5})
+    args.update(overrides)
+    return args
+
+
+def run_swarm(root: Path, attack: Optional[str], aggregation: str = "centered_clip",
+              timeout: float = 150.0) -> Tuple[List[Dict[str, torch.Tensor]], List[str]]:
+    """Train 3 peers to STOP_AT_EPOCH, the third attacking with ``attack`` (None: honest); return the two honest
+    peers' parameters at that epoch and their logs. Every peer is killed on return."""
+    from swarm_harness import Peer
+
+    recorder = {"stop_at_epoch": STOP_AT_EPOCH, "max_seconds": 100, "barrier_dir": str(root / "barrier"),
+                "barrier_count": 3}
+    run_id = f"byz_{attack or 'none'}_{aggregation}"
+    started = []
+    try:
+        first = Peer(root, "first", swarm_strategy_args(run_id, aggregation), model=SWARM_MODEL,
+                     data={"batch_size": 16}, recorder=recorder)
+        started.append(first)
+        join = first.join_peers()
+        second = Peer(root, "second", swarm_strategy_args(run_id, aggregation, initial_peers=join), model=SWARM_MODEL,
+                      data={"batch_size": 16, "offset": 30_000}, recorder=recorder)
+        started.append(second)
+        third_strategy = swarm_strategy_args(run_id, aggregation, initial_peers=join)
+        trainer = None
+        if attack is not None:
+            trainer = {"strategy": {"class_path": "byzantine.ByzantineStrategy",
+                                    "init_args": dict(third_strategy, attack=attack)}}
+        started.append(Peer(root, "third", third_strategy, model=SWARM_MODEL, data={"batch_size": 16, "offset": 60_000},
+                            recorder=recorder, trainer=trainer))
+        for peer in (first, second):
+            peer.wait(timeout=timeout)
+        for peer in (first, second):
+            assert peer.max_epoch() >= STOP_AT_EPOCH, peer.log()[-3000:]
+        return [peer.params(STOP_AT_EPOCH) for peer in (first, second)], [peer.log() for peer in (first, second)]
+    finally:
+        for peer in started:
+            peer.kill()
+
+
+def validation_loss(params: Optional[Dict[str, torch.Tensor]] = None) -> float:
+    """MSE of a TinyRegression with ``params`` (None: its initialisation) on 2000 held-out samples."""
+    from peer_worker import TinyRegression, make_regression_data
+
+    model = TinyRegression()
+    if params is not None:
+        model.load_state_dict(params)
+    x, y = make_regression_data(2000, 8, seed=99)
+    with torch.no_grad():
+        return float(torch.nn.functional.mse_loss(model.net(x), y))

@@ -145,5 +145,4 @@ def test_progress_weight_bounds_read_hivemind_progress_records():
                                             samples_per_second=0.0, time=99.0, client_mode=False), 200.0),
         b"junk": ValueWithExpiration("not a record", 200.0),
     }
-    bounds = progress_weight_bounds(records, now=101.5)
-    assert bounds == {a: 40 + 10.0 * 1.5, b: 8.0}
+    assert progress_weight_bounds(records) == {a: 40.0, b: 8.0}

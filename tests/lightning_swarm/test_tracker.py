@@ -95,8 +95,8 @@ def test_reports_are_spaced_by_half_the_fetch_interval(dht, fetch_period):
 
 @pytest.fixture
 def stale_tracker(dht):
-    """A tracker (target 100) that published 60 samples and has 120, unpublished for the next 30 s."""
-    tracker = ThrottledProgressTracker(dht=dht, prefix="throttle_stale", target_batch_size=100,
+    """A tracker (target 1000) that published 60 samples and has 120, unpublished for the next 30 s."""
+    tracker = ThrottledProgressTracker(dht=dht, prefix="throttle_stale", target_batch_size=1000,
                                        min_report_interval=30.0, start=True)
     tracker.report_local_progress(0, 60)
     _wait_for(lambda: _published(tracker) == (0, 60), timeout=5)
@@ -108,10 +108,17 @@ def stale_tracker(dht):
 
 
 def test_a_new_epoch_is_published_at_once(stale_tracker):
-    assert stale_tracker.ready_to_update_epoch
     with stale_tracker.pause_updates():
         stale_tracker.update_epoch(1)
     waited = _wait_for(lambda: _published(stale_tracker) == (1, 0), timeout=10)
+    assert waited < 10 < 30
+
+
+def test_the_step_that_ends_the_epoch_is_published_at_once(stale_tracker):
+    # the averaging round that follows bounds this peer's gradient weight by its published samples
+    assert not stale_tracker.ready_to_update_epoch
+    stale_tracker.report_local_progress(0, 1000)
+    waited = _wait_for(lambda: _published(stale_tracker) == (0, 1000), timeout=10)
     assert waited < 10 < 30
 
 

@@ -1,0 +1,141 @@
+"""Benchmarks of robust averaging (figures printed, nothing asserted).
+
+1. round: time of one all-reduce round of a 25M-parameter model (10 tensors of 2.5M values) among 3 local peers, each
+   a hivemind DecentralizedAverager in its own process, with the swarm's default wire codec (8-bit): hivemind's own
+   all-reduce, our screened weighted mean (aggregation="mean") and CenteredClip (aggregation="centered_clip"), in
+   interleaved repeats. Timed from the moment the group is formed (matchmaking excluded) to the peer's last update;
+   a round's time is its slowest peer's.
+2. attacks: the honest peers' validation loss in a 3-peer HivemindStrategy swarm (tests/lightning_swarm/byzantine.py:
+   tiny regression, 4 global epochs) without an attacker and with a third peer that sends gradients x1e3, NaN
+   gradients, or claims weight 1e9 with negated gradients; each with aggregation="mean" and "centered_clip".
+
+Run: python tests/benchmarks/bench_robust_averaging.py [round|attacks|all]
+     BENCH_REPEATS=5 python tests/benchmarks/bench_robust_averaging.py round
+The machine is shared (2 cores, 3 peers): say what else ran when quoting the figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TESTS = REPO / "tests" / "lightning_swarm"
+NUM_PEERS = 3
+VARIANTS = ("hivemind", "mean", "centered_clip")
+
+
+def round_peer(variant: str, initial_peer: str, rounds: int) -> None:
+    """One peer of the round benchmark (run in its own process); prints RESULT [seconds per round]."""
+    import torch
+    import hivemind
+    from hivemind.averaging import DecentralizedAverager
+    from hivemind.averaging.control import AveragingStage
+
+    from lightning_swarm.compression import default_compression
+    from lightning_swarm.hivemind_ext.robust_allreduce import RobustAveraging
+
+    class ScreenedAverager(RobustAveraging, DecentralizedAverager):
+        pass
+
+    torch.set_num_threads(1)
+    dht = hivemind.DHT(initial_peers=[initial_peer] if initial_peer else None, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                       start=True)
+    if not initial_peer:
+        print("MADDR", dht.get_visible_maddrs()[0], flush=True)
+    generator = torch.Generator().manual_seed(os.getpid())
+    tensors = [torch.randn(25_000_000 // 10, generator=generator) for _ in range(10)]
+    options = dict(dht=dht, prefix=f"bench_robust_{variant}", target_group_size=NUM_PEERS, min_group_size=NUM_PEERS,
+                   min_matchmaking_time=3.0, request_timeout=1.0, compression=default_compression(), start=True)
+    if variant == "hivemind":
+        averager = DecentralizedAverager(tensors, **options)
+    else:
+        averager = ScreenedAverager(tensors, aggregation=variant, **options)
+    times = []
+    for _ in range(rounds):
+        control = averager.step(wait=False, require_trigger=True, timeout=120)
+        while control.stage != AveragingStage.AWAITING_TRIGGER and not control.done():
+            time.sleep(0.005)
+        start = time.perf_counter()
+        control.allow_allreduce()
+        control.result()
+        times.append(time.perf_counter() - start)
+    print("RESULT", json.dumps(times), flush=True)
+    time.sleep(2)  # let the groupmates finish receiving before this peer leaves
+    averager.shutdown()
+    dht.shutdown()
+
+
+def run_round_group(variant: str, rounds: int) -> list:
+    """Start NUM_PEERS round peers of ``variant``; return each round's time (slowest peer)."""
+    command = [sys.executable, __file__, "_round_peer", variant]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    first = subprocess.Popen(command + ["", str(rounds)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             start_new_session=True, env=env)
+    others = []
+    try:
+        maddr = next(line.split()[1] for line in first.stdout if line.startswith("MADDR"))
+        others = [subprocess.Popen(command + [maddr, str(rounds)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                   text=True, start_new_session=True, env=env) for _ in range(NUM_PEERS - 1)]
+        results = []
+        for process in [first] + others:
+            output, _ = process.communicate(timeout=600)
+            line = next(line for line in output.splitlines() if line.startswith("RESULT"))
+            results.append(json.loads(line.split(" ", 1)[1]))
+        return [max(times) for times in zip(*results)]
+    finally:
+        for process in [first] + others:
+            if process.poll() is None:
+                process.kill()
+
+
+def bench_round() -> None:
+    repeats, rounds = int(os.environ.get("BENCH_REPEATS", "3")), int(os.environ.get("BENCH_ROUNDS", "3"))
+    times = {variant: [] for variant in VARIANTS}
+    for _ in range(repeats):
+        for variant in VARIANTS:  # interleaved, so that a change of machine load hits every variant
+            times[variant] += run_round_group(variant, rounds)
+    medians = {variant: statistics.median(values) for variant, values in times.items()}
+    print(f"\nall-reduce round, 25M float32 parameters, {NUM_PEERS} peers on 127.0.0.1, 8-bit codec, "
+          f"{repeats} x {rounds} rounds each (median; slowest peer of each round)")
+    for variant in VARIANTS:
+        print(f"  {variant:>14}: {medians[variant]:.2f} s  (min {min(times[variant]):.2f}, max {max(times[variant]):.2f})"
+              f"  x{medians[variant] / medians['hivemind']:.2f} of hivemind's")
+    print(f"  centered_clip / mean: x{medians['centered_clip'] / medians['mean']:.2f}")
+
+
+def bench_attacks() -> None:
+    sys.path[:0] = [str(TESTS), str(REPO)]
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    from byzantine import run_swarm, validation_loss
+
+    print(f"\nhonest peers' validation loss after 4 global epochs (initialisation: {validation_loss():.3f})")
+    print(f"  {'attack':>8} | {'mean':>22} | {'centered_clip':>22}")
+    for attack in (None, "scale", "nan", "weight"):
+        cells = []
+        for aggregation in ("mean", "centered_clip"):
+            with tempfile.TemporaryDirectory() as root:
+                try:
+                    params, _ = run_swarm(Path(root), attack, aggregation)
+                    losses = [validation_loss(p) for p in params]
+                    cells.append(" / ".join(f"{loss:.4g}" for loss in losses))
+                except Exception as e:  # an attack that stops the honest peers is a result too
+                    cells.append(f"failed: {type(e).__name__}")
+        print(f"  {attack or 'none':>8} | {cells[0]:>22} | {cells[1]:>22}", flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["_round_peer"]:
+        round_peer(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        sys.exit(0)
+    which = sys.argv[1] if len(sys.argv) > 1 else "all"
+    if which in ("round", "all"):
+        bench_round()
+    if which in ("attacks", "all"):
+        bench_attacks()
