@@ -26,8 +26,9 @@ import torch
 
 AGGREGATION_CHOICES = ("mean", "centered_clip")
 DEFAULT_CENTERED_CLIP_ITERS = 20
-# CenteredClip stops early once an iteration moves the result by less than this fraction of its norm
-CENTERED_CLIP_TOLERANCE = 1e-6
+# CenteredClip stops early once an iteration moves the result by less than this fraction of its norm (far below
+# the 8-bit codec's rounding of what is sent, ~1e-2 of a block's largest value)
+CENTERED_CLIP_TOLERANCE = 1e-4
 
 
 @dataclass
@@ -110,17 +111,26 @@ def centered_clip(
     stacked = torch.stack([p.reshape(-1).to(torch.float32) for p in parts])  # [senders, values]
     w = torch.tensor(weights, dtype=torch.float32)
     w = w / w.sum()
-    estimate = stacked.median(dim=0).values if len(parts) > 2 else stacked.mul(w[:, None]).sum(0)
+    estimate = _coordinate_median(stacked) if len(parts) > 2 else w @ stacked
+    diffs = torch.empty_like(stacked)  # reused: one pass to subtract, one for the norms, one for the step
     for _ in range(iters):
-        diffs = stacked - estimate
+        torch.sub(stacked, estimate, out=diffs)
         norms = torch.linalg.vector_norm(diffs, dim=1)
         radius = _weighted_median(norms, w) if tau is None else torch.tensor(float(tau))
         scale = torch.where(norms > radius, radius / norms.clamp_min(1e-30), torch.ones_like(norms))
-        step = (diffs * (w * scale)[:, None]).sum(0)
+        step = (w * scale) @ diffs
         estimate += step
         if float(torch.linalg.vector_norm(step)) <= CENTERED_CLIP_TOLERANCE * float(torch.linalg.vector_norm(estimate)):
             break
     return estimate.reshape(parts[0].shape)
+
+
+def _coordinate_median(stacked: torch.Tensor) -> torch.Tensor:
+    """Coordinate-wise median of the rows (for 3 rows, with min/max: several times faster than torch.median)."""
+    if stacked.shape[0] == 3:
+        a, b, c = stacked
+        return torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c))
+    return stacked.median(dim=0).values
 
 
 def _weighted_median(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
