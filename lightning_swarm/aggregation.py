@@ -13,7 +13,8 @@ calls it is in :mod:`lightning_swarm.hivemind_ext.robust_allreduce`):
   Optimization", ICML 2021; in a butterfly all-reduce as in Gorbunov et al., "Secure Distributed Training at
   Scale", ICML 2022): starting from the coordinate-wise median, repeat ``v += sum_i w_i * clip_tau(x_i - v) /
   sum_i w_i``, where ``clip_tau`` scales a difference down to L2 norm ``tau``. A minority of senders can move the
-  result by at most about ``tau`` times their share of the weight, whatever they send.
+  result by at most about ``tau`` times their share of the weight, whatever they send. Weights are capped at the
+  median weight first, so that no single sender holds the majority of the weight.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def centered_clip(
 
     Args:
         parts: the senders' parts (finite).
-        weights: their weights (finite, > 0).
+        weights: their weights (finite, > 0); each is capped at the median weight.
         tau: clipping radius (L2 norm of a part's difference from the current estimate). None: at each iteration,
             the weighted median of the senders' distances to the estimate, so that the nearer half of the weight is
             not clipped; this follows the scale of whatever is averaged (gradients, parameters, optimizer state).
@@ -110,6 +111,9 @@ def centered_clip(
         return parts[0].to(torch.float32).clone()
     stacked = torch.stack([p.reshape(-1).to(torch.float32) for p in parts])  # [senders, values]
     w = torch.tensor(weights, dtype=torch.float32)
+    # no sender outweighs the median sender: CenteredClip resists a minority of the weight, and a fast (or lying)
+    # peer must not buy a majority with its sample count
+    w = torch.minimum(w, w.median())
     w = w / w.sum()
     estimate = _coordinate_median(stacked) if len(parts) > 2 else w @ stacked
     diffs = torch.empty_like(stacked)  # reused: one pass to subtract, one for the norms, one for the step

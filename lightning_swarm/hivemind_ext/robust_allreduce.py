@@ -244,7 +244,8 @@ class RobustAveraging:
 class ProgressBoundedWeights(RobustAveraging):
     """RobustAveraging for gradients: a sender's weight is at most the samples it reported to the progress tracker.
 
-    The bound is ``samples_accumulated`` in the sender's latest progress record, nothing more: extrapolating with the
+    The bound is ``samples_accumulated`` in the sender's latest progress record (a sender without a record: the
+    largest bound in the group; no bound at all if the records can't be read), nothing more: extrapolating with the
     samples/s a record declares would let a sender raise its own bound. An honest peer publishes its progress when
     its step ends the epoch (:class:`~lightning_swarm.hivemind_ext.tracker.ThrottledProgressTracker`), so its record
     is at most a step or two behind its weight, which then counts a little less.
@@ -268,11 +269,16 @@ class ProgressBoundedWeights(RobustAveraging):
         try:
             found = await asyncio.wait_for(self.dht.get(self.progress_key, latest=True, return_future=True),
                                            timeout=self.request_timeout)
-        except Exception as e:
+        except Exception as e:  # refusing everyone would split the swarm: CenteredClip's median cap still holds
             log.warning(f"[lightning_swarm] averaging: could not read the progress records ({e!r}): "
-                        "refusing the other peers' gradients this round")
-            found = None
-        return progress_weight_bounds(found.value if found is not None else None)
+                        "no weight bounds this round")
+            return None
+        bounds = progress_weight_bounds(found.value if found is not None else None)
+        if not bounds:
+            return None
+        # a sender without a record (it expired, or was not yet stored) may claim as much as the best-documented peer
+        fallback = max(bounds.values())
+        return {peer: bounds.get(peer, fallback) for peer in group_info.peer_ids}
 
 
 def progress_weight_bounds(records: object) -> Dict[PeerID, float]:

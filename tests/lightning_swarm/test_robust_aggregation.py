@@ -146,3 +146,10 @@ def test_progress_weight_bounds_read_hivemind_progress_records():
         b"junk": ValueWithExpiration("not a record", 200.0),
     }
     assert progress_weight_bounds(records) == {a: 40.0, b: 8.0}
+
+
+def test_centered_clip_caps_weights_at_the_median_so_a_heavy_sender_does_not_win():
+    parts = honest_parts(2) + [torch.full((1000,), 50.0)]
+    reference = weighted_mean(parts[:2], [1.0, 1.0])
+    robust = centered_clip(parts, [100.0, 100.0, 10_000.0])  # the attacker claims 98% of the samples
+    assert (robust - reference).norm() < 0.5 * (parts[0] - parts[1]).norm()
