@@ -12,6 +12,7 @@ keep the best `keep`, and write `OUT/NN_prompt-words.png` (a grid, best first) p
 from __future__ import annotations
 
 import argparse
+import warnings
 from pathlib import Path
 
 import torch
@@ -46,6 +47,10 @@ def sample_and_score(
     """
     device = dalle.model.image_emb.weight.device
     text = dalle.tokenizer([prompt]).to(device)
+    unknown = dalle.model.unknown_text_ids(text)
+    if unknown:  # a compact text vocabulary (e.g. the tiny recipe's shapes words) has no row for these
+        warnings.warn(f"prompt {prompt!r}: the model knows none of the words {dalle.tokenizer.bpe.decode(unknown)!r} "
+                      f"(outside its text vocabulary); it reads each of them as one unknown word", stacklevel=2)
     all_codes, all_scores = [], []
     for start in range(0, num_candidates, batch_size):
         count = min(batch_size, num_candidates - start)

@@ -1,4 +1,5 @@
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -7,9 +8,11 @@ import torch
 from PIL import Image
 
 from inference import evaluate, generate
-from inference.checkpoint import load_dalle
+from inference.checkpoint import LoadedDALLE, load_dalle
 from inference.evaluate import load_candidates, summarize, validation_captions
-from recipes.shapes import check_caption, parse_caption
+from recipes.dalle.model import DALLE, DALLEConfig
+from recipes.dalle.tokenizer import TextTokenizer, shapes_token_ids
+from recipes.shapes import PaletteCodec, check_caption, parse_caption
 
 
 def test_checkpoint_loads_without_unpickling(tiny_dalle_checkpoint):
@@ -138,3 +141,17 @@ def test_evaluate_rescores_saved_candidates_instead_of_sampling(tiny_dalle_check
     assert load_candidates(saved, captions[:2], 1).shape == (2, 1, 256)  # a prefix of captions and candidates
     with pytest.raises(ValueError, match="do not start with"):
         evaluate.main(args[:4] + ["--num-captions", "4", "--num-candidates", "2", "--candidates", str(saved)])
+
+
+def test_sampling_warns_about_prompt_words_outside_the_compact_vocabulary():
+    config = DALLEConfig(dim=32, depth=2, heads=2, dim_head=16, text_seq_len=16, image_vocab_size=8,
+                         image_grid_size=4, attn_types=("axial_row", "axial_col"), conv_kernel_size=3,
+                         text_token_ids=shapes_token_ids())
+    model = DALLE(config).eval()
+    dalle = LoadedDALLE(model, TextTokenizer(16), PaletteCodec())
+    with pytest.warns(UserWarning, match="pink"):
+        codes, _ = generate.sample_and_score(dalle, None, "a pink circle", num_candidates=1, batch_size=1)
+    assert codes.shape == (1, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        generate.sample_and_score(dalle, None, "a red circle", num_candidates=1, batch_size=1)

@@ -100,3 +100,4 @@ def test_named_vocabularies_and_checkpoint_hyperparameters_keep_the_ids():
     restored = DALLEModule(config)
     restored.load_state_dict(module.state_dict())
     assert "model.text_id_to_row" not in module.state_dict()
+
