@@ -6,7 +6,7 @@ behind a link of a profile of tests/lightning_swarm/netns_harness.py (datacenter
    (and receive: the links are full duplex) divided by the link rate. With 2 peers each sends the half of the
    tensors the other reduces and receives it back averaged: bytes_on_wire / 2 each way.
 2. state: a newcomer's download (lightning_swarm's verified download) of an uncompressed state, seconds and MB/s,
-   and the 1b recipe's state at that rate (its 144M unique parameters + 2 AdamW statistics, fp32).
+   and the 1b recipe's state at that rate (its 144M unique fp32 parameters + LAMB8bit's two 8-bit statistics).
 
 Run (root, iproute2):  python tests/benchmarks/bench_network.py [averaging|state|all]
      BENCH_PROFILES=home,poor BENCH_SIZES=25,144 BENCH_ROUNDS=2 python tests/benchmarks/bench_network.py averaging
@@ -33,7 +33,9 @@ PROFILE_NAMES = os.environ.get("BENCH_PROFILES", "datacenter,home,poor").split("
 SIZES_M = [int(size) for size in os.environ.get("BENCH_SIZES", "25,144").split(",")]
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "2"))
 STATE_MPARAMS = int(os.environ.get("BENCH_STATE_MPARAMS", "25"))
-ONE_B_STATE_BYTES = 144e6 * 4 * 3  # 1b recipe: unique parameters + AdamW's two statistics, fp32
+# 1b recipe (configs/dalle_1b.yaml): 144M unique fp32 parameters + LAMB8bit's two 8-bit statistics (1 byte each; its
+# per-block scales add ~0.2%), downloaded uncompressed (load_state_compression "none")
+ONE_B_STATE_BYTES = 144e6 * (4 + 1 + 1)
 NUM_TENSORS = 10
 
 
