@@ -3,8 +3,9 @@ behind a link of a profile of tests/lightning_swarm/netns_harness.py (datacenter
 
 1. averaging: seconds per averaging round (hivemind DecentralizedAverager, 10 equal fp32 tensors) for the codecs
    none / fp16 / adaptive (our default, 8-bit for large tensors), next to the bound: the bytes each peer must send
-   (and receive: the links are full duplex) divided by the link rate. With 2 peers each sends the half of the
-   tensors the other reduces and receives it back averaged: bytes_on_wire / 2 each way.
+   (and receive: the links are full duplex) divided by the link rate. In hivemind's all-reduce a peer of a group of
+   g sends the (g-1)/g of its tensors that others reduce, and sends the averaged part it reduced to the g-1 others:
+   2 (g-1)/g x bytes_on_wire each way, with 2 peers the whole encoded size.
 2. state: a newcomer's download (lightning_swarm's verified download) of an uncompressed state, seconds and MB/s,
    and the 1b recipe's state at that rate (its 144M unique fp32 parameters + LAMB8bit's two 8-bit statistics).
 
@@ -144,7 +145,7 @@ def bench_averaging() -> None:
         for size in SIZES_M:
             num_params = size * 1_000_000
             for codec in ("adaptive", "fp16", "none"):
-                per_direction = wire_bytes(codec, num_params) / 2
+                per_direction = wire_bytes(codec, num_params) * 2 * (2 - 1) / 2  # 2 (g-1)/g, g = 2 peers
                 bound = per_direction / link.bytes_per_second
                 with shaped_network([profile, profile]) as net:
                     args = lambda initial: ["averaging-peer", net.addresses[1 if initial else 0], initial, codec,
