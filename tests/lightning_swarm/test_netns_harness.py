@@ -25,9 +25,9 @@ while True:
 print(received, flush=True)
 """
 CLIENT = """
-import socket, sys, time
+import socket, sys
 connection = socket.create_connection((sys.argv[1], 5001), timeout=30)
-start = time.perf_counter(); connection.sendall(b"x" * int(sys.argv[2])); connection.close()
+connection.sendall(b"x" * int(sys.argv[2])); connection.close()
 """
 
 

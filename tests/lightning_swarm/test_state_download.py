@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hivemind.compression import NoCompression, serialize_torch_tensor
+from hivemind.compression import serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import split_for_streaming
 

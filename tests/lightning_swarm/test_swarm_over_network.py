@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from safetensors.torch import load_file
 
