@@ -34,13 +34,13 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
-from lightning_swarm.hivemind_ext.state import progress_key as run_progress_key
 from lightning_swarm.aggregation import (
     DEFAULT_CENTERED_CLIP_ITERS,
     aggregate_parts,
     check_aggregation_options,
     screen_contributions,
 )
+from lightning_swarm.hivemind_ext.state import progress_key as run_progress_key
 
 log = logging.getLogger(__name__)
 
@@ -244,11 +244,13 @@ class RobustAveraging:
 class ProgressBoundedWeights(RobustAveraging):
     """RobustAveraging for gradients: a sender's weight is at most the samples it reported to the progress tracker.
 
-    The bound is ``samples_accumulated`` in the sender's latest progress record (a sender without a record: the
-    largest bound in the group; no bound at all if the records can't be read), nothing more: extrapolating with the
-    samples/s a record declares would let a sender raise its own bound. An honest peer publishes its progress when
-    its step ends the epoch (:class:`~lightning_swarm.hivemind_ext.tracker.ThrottledProgressTracker`), so its record
-    is at most a step or two behind its weight, which then counts a little less.
+    The bound is ``samples_accumulated`` in the sender's latest progress record (a sender without a record, or with
+    0 samples in it: the largest bound in the group; no bound at all if the records can't be read), nothing more:
+    extrapolating with the samples/s a record declares would let a sender raise its own bound. An honest peer
+    publishes its progress when its step ends the epoch
+    (:class:`~lightning_swarm.hivemind_ext.tracker.ThrottledProgressTracker`), so its record is at most a step or two
+    behind its weight, which then counts a little less (with ``delay_grad_averaging``, more: the record may already
+    count the next epoch's samples).
 
     Args:
         progress_key: the run's progress key in the DHT (``f"{run_id}_progress"``). Default: derived from the
@@ -273,10 +275,14 @@ class ProgressBoundedWeights(RobustAveraging):
             log.warning(f"[lightning_swarm] averaging: could not read the progress records ({e!r}): "
                         "no weight bounds this round")
             return None
-        bounds = progress_weight_bounds(found.value if found is not None else None)
+        # a record of 0 samples says nothing about this round: with delay_grad_averaging its peer may already have
+        # published the next epoch's (a sender refused by every reducer would keep its own gradient, out of sync)
+        bounds = {peer: bound for peer, bound in progress_weight_bounds(found.value if found else None).items()
+                  if bound > 0}
         if not bounds:
             return None
-        # a sender without a record (it expired, or was not yet stored) may claim as much as the best-documented peer
+        # a sender without a record (it expired, was reset, or was not yet stored) may claim as much as the
+        # best-documented peer of the group
         fallback = max(bounds.values())
         return {peer: bounds.get(peer, fallback) for peer in group_info.peer_ids}
 

@@ -10,7 +10,8 @@
    gradients, or claims weight 1e9 with negated gradients; each with aggregation="mean" and "centered_clip".
 
 Run: python tests/benchmarks/bench_robust_averaging.py [round|attacks|all]
-     BENCH_REPEATS=5 python tests/benchmarks/bench_robust_averaging.py round
+     BENCH_REPEATS=5 BENCH_ROUNDS=3 python tests/benchmarks/bench_robust_averaging.py round   (5 x 3 rounds each)
+     BENCH_AGGREGATIONS=mean python tests/benchmarks/bench_robust_averaging.py attacks
 The machine is shared (2 cores, 3 peers): say what else ran when quoting the figures.
 """
 
@@ -115,11 +116,12 @@ def bench_attacks() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     from byzantine import run_swarm, validation_loss
 
+    aggregations = os.environ.get("BENCH_AGGREGATIONS", "mean,centered_clip").split(",")
     print(f"\nhonest peers' validation loss after 4 global epochs (initialisation: {validation_loss():.3f})")
-    print(f"  {'attack':>8} | {'mean':>22} | {'centered_clip':>22}")
+    print(f"  {'attack':>8} | " + " | ".join(f"{aggregation:>22}" for aggregation in aggregations))
     for attack in (None, "scale", "nan", "weight"):
         cells = []
-        for aggregation in ("mean", "centered_clip"):
+        for aggregation in aggregations:
             with tempfile.TemporaryDirectory() as root:
                 try:
                     params, _ = run_swarm(Path(root), attack, aggregation)
@@ -127,7 +129,7 @@ def bench_attacks() -> None:
                     cells.append(" / ".join(f"{loss:.4g}" for loss in losses))
                 except Exception as e:  # an attack that stops the honest peers is a result too
                     cells.append(f"failed: {type(e).__name__}")
-        print(f"  {attack or 'none':>8} | {cells[0]:>22} | {cells[1]:>22}", flush=True)
+        print(f"  {attack or 'none':>8} | " + " | ".join(f"{cell:>22}" for cell in cells), flush=True)
 
 
 if __name__ == "__main__":
