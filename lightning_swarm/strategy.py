@@ -37,6 +37,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_swarm import compression as swarm_compression
 from lightning_swarm import metrics as swarm_metrics
+from lightning_swarm.auth.peer import SwarmAuth, resolve_auth_settings
 from lightning_swarm.callbacks.progress import SwarmProgress
 from lightning_swarm.aggregation import DEFAULT_CENTERED_CLIP_ITERS, check_aggregation_options
 from lightning_swarm.hivemind_ext.state import progress_key
@@ -140,6 +141,11 @@ class HivemindStrategy(SingleDeviceStrategy):
             global epoch, number of peers and throughput in the progress bar and loggers.
         device: torch device for the model (default: the accelerator's device, e.g. ``cuda:0`` or ``cpu``).
         verbose: log hivemind's internal events (matchmaking, averaging) at INFO level.
+        auth: credentials for a run with an authority (allowlist authentication), e.g.
+            ``{"authority_key": "authority.pub", "token": "alice.token", "key": "alice.pem"}`` or
+            ``{"authority_key": ..., "server": "https://auth.example.org", "username": "alice", "key": "alice.pem"}``;
+            each field falls back to ``$LIGHTNING_SWARM_AUTH_<FIELD>``. Default: none, an open run (see
+            :mod:`lightning_swarm.auth.peer` and docs/security.md).
 
     The batch size of every local step is taken from the batch (first dimension, Lightning's
     ``extract_batch_size``); a LightningModule can override it by defining ``swarm_batch_size(batch) -> int``.
@@ -183,6 +189,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         log_progress: bool = True,
         device: Optional[str] = None,
         verbose: bool = False,
+        auth: Optional[Dict[str, str]] = None,
     ):
         super().__init__(device=device or "cpu")
         self._device_given = device is not None
@@ -231,6 +238,9 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.run_id = run_id
         self.robust_averaging_opts = dict(aggregation=aggregation, centered_clip_tau=centered_clip_tau,
                                           centered_clip_iters=centered_clip_iters)
+        self.auth_settings = resolve_auth_settings(auth)  # {} in an open run
+        # this peer's credentials, made from auth_settings when the DHT starts (the monitor presets a moderator's)
+        self.swarm_auth: Optional[SwarmAuth] = None
         self.target_batch_size = target_batch_size
         self.initial_peers = resolve_initial_peers(initial_peers)
         self.host_maddrs = check_listen_maddrs(host_maddrs, "host_maddrs") or ["/ip4/0.0.0.0/tcp/0"]
@@ -309,10 +319,29 @@ class HivemindStrategy(SingleDeviceStrategy):
             )
             if self.announce_maddrs:
                 dht_kwargs["announce_maddrs"] = self.announce_maddrs
+            if self.swarm_auth is None and self.auth_settings:  # the monitor may have set the moderators' own
+                self.swarm_auth = SwarmAuth(self.run_id, **self.auth_settings)
+            if self.swarm_auth is not None:
+                from lightning_swarm.auth.authorizer import OwnerIsRequesterValidator, SwarmAuthorizer
+
+                self.swarm_auth.token()  # no, expired or refused token: stop here with one line saying so
+                self.swarm_auth.install()  # sign records with the token's key (before the validators take it)
+                dht_kwargs["authorizer"] = SwarmAuthorizer(self.swarm_auth)
             validators = swarm_metrics.make_validators(self.run_id) if self.publish_metrics else []
-            self._dht = hivemind.DHT(
-                initial_peers=self.initial_peers or None, start=True, record_validators=validators, **dht_kwargs
-            )
+            if self.swarm_auth is not None:
+                validators = validators + [OwnerIsRequesterValidator()]
+            try:
+                self._dht = hivemind.DHT(
+                    initial_peers=self.initial_peers or None, start=True, record_validators=validators, **dht_kwargs
+                )
+            except Exception as e:
+                if not self.initial_peers:
+                    raise
+                # a swarm with an authority does not answer a peer without a valid token: say so, in one line
+                hint = ("" if self.swarm_auth is not None else " If the run has an authority, this peer needs an "
+                        "access token (HivemindStrategy(auth=...) or $LIGHTNING_SWARM_AUTH_*, see docs/security.md).")
+                raise RuntimeError(f"[lightning_swarm] could not join run {self.run_id!r}: none of its initial peers "
+                                   f"answered ({e}).{hint}") from e
             if not self.client_mode:
                 message = join_message(self.run_id, reachable_maddrs(self._dht.get_visible_maddrs()))
                 log.info(message)
@@ -392,8 +421,10 @@ class HivemindStrategy(SingleDeviceStrategy):
 
         swarm_compression.register_fixed_codecs()  # before the averagers start: peers may send any 8-bit codec
         compression = resolve_compression(self.compression)
+        dht = self.start_dht()  # also sets swarm_auth in a run with an authority
         kwargs = dict(
             self._hivemind_kwargs,
+            swarm_auth=self.swarm_auth,
             use_local_updates=False,
             client_mode=None,  # derived from the DHT, which knows whether we are in client mode
             grad_compression=compression,
@@ -407,7 +438,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             self.grad_averager_class, progress_key=progress_key(self.run_id), **self.robust_averaging_opts,
             **kwargs["averager_opts"])
         return SwarmOptimizer(
-            dht=self.start_dht(),
+            dht=dht,
             run_id=self.run_id,
             target_batch_size=self.target_batch_size,
             optimizer=_optimizer_factory(optimizer),

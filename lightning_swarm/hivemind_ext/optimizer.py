@@ -17,10 +17,15 @@ SwarmOptimizer changes five things and nothing else:
 
 from __future__ import annotations
 
+import functools
+from typing import Optional
+
 import hivemind
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 
+from lightning_swarm.auth.peer import SwarmAuth
+from lightning_swarm.hivemind_ext.auth_guards import AuthenticatedAveraging, EpochGuard
 from lightning_swarm.hivemind_ext.finite_state import FiniteStateDownload
 from lightning_swarm.hivemind_ext.grad_averager import SampleWeightedGradientAverager
 from lightning_swarm.hivemind_ext.matchmaking import ThrottledLeaderSearch
@@ -42,23 +47,29 @@ class HivemindRpcNames:
         return hivemind_class._get_handle_name(namespace, method_name)
 
 
-class SwarmGradientAverager(HivemindRpcNames, ThrottledLeaderSearch, ProgressBoundedWeights,
+class SwarmGradientAverager(HivemindRpcNames, AuthenticatedAveraging, ThrottledLeaderSearch, ProgressBoundedWeights,
                             SampleWeightedGradientAverager, NoStateDownload):
     """Gradient averager of a SwarmOptimizer: mean over samples, throttled leader search (``leader_poll_interval``),
     screened all-reduce (``aggregation``, ``centered_clip_tau``, ``centered_clip_iters``; each sender's weight at
     most the samples in its progress record, read from ``progress_key``), no non-finite gradient sent, and a
-    newcomer does not download the donor's gradient buffers (they are reset right after)."""
+    newcomer does not download the donor's gradient buffers (they are reset right after); in a run with an
+    authority only authenticated peers share a group (``swarm_auth``)."""
 
 
-class SwarmStateAverager(HivemindRpcNames, ThrottledLeaderSearch, RobustAveraging, TrainingStateAverager,
-                         FiniteStateDownload, VerifiedStateDownload):
+class SwarmStateAverager(HivemindRpcNames, AuthenticatedAveraging, ThrottledLeaderSearch, RobustAveraging,
+                         TrainingStateAverager, FiniteStateDownload, VerifiedStateDownload):
     """State averager of a SwarmOptimizer: hivemind's TrainingStateAverager with a throttled leader search, a
     screened all-reduce (every peer has weight 1 in state averaging: ``max_sender_weight=1``), a verified, retried
-    state download (``state_download_attempts``) and no non-finite downloaded state."""
+    state download (``state_download_attempts``) and no non-finite downloaded state; in a run with an authority,
+    groups of authenticated peers only, and state from plausible donors (or the one a moderator's revert names)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("max_sender_weight", 1.0)
         super().__init__(*args, **kwargs)
+
+
+class GuardedProgressTracker(EpochGuard, ThrottledProgressTracker):
+    """ThrottledProgressTracker that, in a run with an authority, ignores epochs no other peer confirms."""
 
 
 class SwarmOptimizer(hivemind.Optimizer):
@@ -68,15 +79,22 @@ class SwarmOptimizer(hivemind.Optimizer):
     ``grad_averager_factory`` may set ``leader_poll_interval`` (see ThrottledLeaderSearch). The default gradient
     averager is :class:`SwarmGradientAverager`. ``robust_averaging_opts`` (``aggregation``, ``centered_clip_tau``,
     ``centered_clip_iters``) configure the state averager's all-reduce (see RobustAveraging); give the gradient
-    averager's through ``grad_averager_factory``.
+    averager's through ``grad_averager_factory``. ``swarm_auth`` (a :class:`~lightning_swarm.auth.peer.SwarmAuth`,
+    in a run with an authority) is handed to the tracker and both averagers (see
+    :mod:`lightning_swarm.hivemind_ext.auth_guards`); the DHT must have been created with its authorizer.
     """
 
-    def __init__(self, *args, grad_averager_factory=SwarmGradientAverager, robust_averaging_opts=None, **kwargs):
+    def __init__(self, *args, grad_averager_factory=SwarmGradientAverager, robust_averaging_opts=None,
+                 swarm_auth: Optional[SwarmAuth] = None, **kwargs):
         self.robust_averaging_opts = dict(robust_averaging_opts or {})  # read by _make_state_averager in super()
+        self.swarm_auth = swarm_auth  # read by the factories below, which hivemind calls from its __init__
+        if swarm_auth is not None and grad_averager_factory is not None:  # None: local updates, no such averager
+            grad_averager_factory = functools.partial(grad_averager_factory, swarm_auth=swarm_auth)
         super().__init__(*args, grad_averager_factory=grad_averager_factory, **kwargs)
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
-        return ThrottledProgressTracker(
+        return GuardedProgressTracker(
+            swarm_auth=self.swarm_auth,
             dht=self.dht,
             prefix=self.run_id,
             target_batch_size=target_batch_size,
@@ -89,6 +107,7 @@ class SwarmOptimizer(hivemind.Optimizer):
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
         # hivemind 1.1.12's arguments, with our class (hivemind hard-codes TrainingStateAverager here)
         return SwarmStateAverager(
+            swarm_auth=self.swarm_auth,
             dht=self.dht,
             prefix=f"{self.run_id}_state_averager",
             min_matchmaking_time=self.matchmaking_time,

@@ -174,6 +174,20 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
         ("TrainingStateAverager.main_parameters", "shapes the downloaded parameters must have"),
         ("TrainingStateAverager.extra_tensors", "shapes the downloaded extra tensors must have"),
     ], instance=True)
+    + _symbols("hivemind.averaging.averager", "auth_guards", [
+        ("DecentralizedAverager._step", "overridden: adds this peer's join proof to the data it sends its group"),
+        ("DecentralizedAverager._aggregate_with_group", "overridden: checks every member's proof first"),
+    ])
+    + _symbols("hivemind.averaging.control", "auth_guards", [
+        ("StepControl._data_for_gather", "replaced by the same data with this peer's join proof inside"),
+    ], instance=True)
+    + _symbols("hivemind.utils.crypto", "keys", [
+        ("RSAPrivateKey._process_wide_key", "set to the key an offline token was issued for"),
+        ("RSAPrivateKey._process_wide_key_lock", "held while setting it"),
+    ])
+    + _symbols("hivemind.utils.crypto", "keys", [
+        ("RSAPrivateKey._private_key", "the cryptography key inside, loaded from / written to PEM"),
+    ], instance=True)
     + _symbols("hivemind.compression.serialization", "codecs", [
         ("_BASE_COMPRESSION_TYPES", "the decoder registry: numpy-2.4-safe 8-bit decoders are installed in it"),
     ])

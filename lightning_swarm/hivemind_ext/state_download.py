@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from hivemind.averaging.averager import DecentralizedAverager
@@ -122,15 +122,19 @@ class VerifiedStateDownload(DecentralizedAverager):
             return [tensor.shape for tensor in (*main_parameters, *getattr(self, "extra_tensors", ()))]
         return [tensor.shape for tensor in self._averaged_tensors]
 
-    def _donors(self) -> List[PeerID]:
+    def _donor_priorities(self) -> Dict[PeerID, float]:
+        """The state-sharing priority (usually the epoch) every peer that offers its state declared."""
         key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
         found = self.dht.get(key, latest=True)
         priorities = found.value if found is not None and isinstance(found.value, dict) else {}
-        ranked = {
-            PeerID(peer_id): (float(info.value), random.random())  # random: tie breaker
+        return {
+            PeerID(peer_id): float(info.value)
             for peer_id, info in priorities.items()
             if isinstance(info, ValueWithExpiration) and isinstance(info.value, (float, int))
         }
+
+    def _donors(self) -> List[PeerID]:
+        ranked = {peer: (priority, random.random()) for peer, priority in self._donor_priorities().items()}
         return [peer for peer in sorted(ranked, key=ranked.get, reverse=True) if peer != self.peer_id]
 
     async def _download_from(self, peer: PeerID, chunk_timeout: float) -> Tuple[Any, List[torch.Tensor]]:

@@ -75,6 +75,10 @@ def make_parser() -> argparse.ArgumentParser:
                         "running trainers (which reload when 2+ epochs behind) all reload it")
     p.add_argument("--revert-window", type=float, default=300.0,
                    help="seconds to keep announcing the reverted epoch")
+    p.add_argument("--authority-key", dest="authority_key", default=None,
+                   help="in a run with an authority (auth.authority_key in the config): its private key, held by "
+                        "the moderators. The monitor issues its own token with it and signs reverts, which trainers "
+                        "verify; without it, it needs a token like any peer and cannot revert")
     p.add_argument("--load-state-timeout", type=float, default=None, help="default: from the config or 600")
     p.add_argument("--max-runtime", type=float, default=None, help="stop after this many seconds")
     dash = p.add_argument_group("dashboard", "a live page with the swarm's figures, served by this process")
@@ -130,6 +134,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     )
     module = build_model(config, args.model_class)
     run_id = strategy.run_id
+
+    if args.authority_key:  # the moderators' peer: it issues its own token and signs reverts
+        from lightning_swarm.auth.peer import SwarmAuth
+
+        strategy.swarm_auth = SwarmAuth.for_moderator(run_id, args.authority_key)
 
     # heavy imports after the arguments are known to be fine
     from lightning_swarm.checkpoint.saver import CheckpointSaver

@@ -24,7 +24,9 @@ from hivemind.utils import get_dht_time
 from lightning.pytorch.core.optimizer import _configure_optimizers, _configure_schedulers_automatic_opt
 
 from lightning_swarm import metrics as swarm_metrics
+from lightning_swarm.auth.revert import RevertOrder, publish_revert_order
 from lightning_swarm.checkpoint.checkpoint_io import read_checkpoint
+from lightning_swarm.hivemind_ext.auth_guards import credible_newest_epoch
 from lightning_swarm.hivemind_ext.state import progress_key, set_local_epoch
 from lightning_swarm.strategy import HivemindStrategy
 
@@ -75,11 +77,13 @@ class MonitorPeer:
         self.module, self.strategy = module, strategy
         self.run_id, self.target_batch_size = strategy.run_id, strategy.target_batch_size
         self.dht = strategy.start_dht()
+        self.auth = strategy.swarm_auth  # None in an open run; a moderator's (auth.issuer) can revert
         optimizer, scheduler = configure_optimizer(module)
         self.optimizer = strategy.make_swarm_optimizer(optimizer, scheduler, **MONITOR_OPTIMIZER_OVERRIDES)
         # the monitor's state lags behind the trainers': only offer it when reverting
         self.optimizer.state_averager.allow_state_sharing = False
         self.reverted_epoch: Optional[int] = None
+        self.revert_order: Optional[RevertOrder] = None
 
     # ------------------------------------------------------------------ addresses and metrics
 
@@ -150,9 +154,23 @@ class MonitorPeer:
         while not records and time.monotonic() < deadline:
             time.sleep(0.5)
             records = self.fetch_metrics()
-        return max([self.swarm_epoch] + [r.step for r in records.values()])
+        if self.auth is None:
+            return max([self.swarm_epoch] + [r.step for r in records.values()])
+        # with an authority, a peer's claim counts only if another peer confirms it (see credible_newest_epoch)
+        claims = {key: record.step for key, record in records.items()}
+        progress = self.dht.get(progress_key(self.run_id), latest=True)
+        for key, entry in (progress.value.items() if progress is not None and isinstance(progress.value, dict) else ()):
+            try:
+                epoch = LocalTrainingProgress.parse_obj(entry.value).epoch
+            except Exception:
+                continue
+            if key != RSASignatureValidator().local_public_key:
+                claims[key] = max(claims.get(key, 0), epoch)
+        newest = credible_newest_epoch(claims)
+        return self.epoch if newest is None else max(self.epoch, newest)
 
-    def revert_to(self, url: str, discovery_seconds: float = 0.0, epoch_margin: int = 5) -> int:
+    def revert_to(self, url: str, discovery_seconds: float = 0.0, epoch_margin: int = 5,
+                  order_lifetime: float = 300.0) -> int:
         """Make the checkpoint at ``url`` the state every trainer and every joiner loads; returns its new epoch.
 
         Running hivemind peers reload the state only when they find themselves more than one epoch behind the
@@ -160,9 +178,14 @@ class MonitorPeer:
         the margin must exceed 1 + the epochs the swarm advances before the trainers notice (about one progress
         refresh, plus the age of the metrics records). The LR schedule moves on with the epoch.
         ``discovery_seconds``: how long to wait for the running trainers' metrics (0 if the swarm was stopped).
+        In a run with an authority the revert is also a signed order (valid ``order_lifetime`` seconds) that
+        trainers check before they follow it (:mod:`lightning_swarm.auth.revert`).
         """
         if epoch_margin < 2:
             raise ValueError(f"epoch_margin must be >= 2 (peers reload only when 2+ epochs behind), got {epoch_margin}")
+        if self.auth is not None and self.auth.issuer is None:
+            raise ValueError("in a run with an authority only moderators revert: start the monitor with the "
+                             "authority's private key (--authority-key)")
         newest = self.newest_swarm_epoch(discovery_seconds)
         checkpoint = read_checkpoint(url)
         checkpoint.load_into(self.module)
@@ -176,6 +199,9 @@ class MonitorPeer:
         averager.allow_state_sharing = True
         averager.state_sharing_priority = epoch + 0.5  # above every trainer still at an older epoch
         self.reverted_epoch = epoch
+        if self.auth is not None:
+            self.revert_order = RevertOrder.create(self.auth.issuer, self.run_id, epoch, self.dht.peer_id.to_base58(),
+                                                   checkpoint.url, order_lifetime)
         self.announce_revert()
         logger.warning(f"Reverted run {self.run_id!r} to {checkpoint.url}: serving it as epoch {epoch}")
         return epoch
@@ -187,6 +213,8 @@ class MonitorPeer:
         """
         if self.reverted_epoch is None:
             return
+        if self.revert_order is not None:
+            publish_revert_order(self.dht, self.revert_order)
         record = LocalTrainingProgress(
             peer_id=self.dht.peer_id.to_bytes(),
             epoch=self.reverted_epoch,
@@ -205,6 +233,7 @@ class MonitorPeer:
     def end_revert(self) -> None:
         """Stop announcing the reverted epoch (the trainers have moved on from it)."""
         self.reverted_epoch = None
+        self.revert_order = None
 
     def shutdown(self) -> None:
         self.optimizer.shutdown()

@@ -106,7 +106,7 @@ class Monitor:
 
     def revert_to(self, url: str, discovery_seconds: float = 0.0, epoch_margin: int = 5) -> int:
         """Revert the run to the checkpoint at ``url`` (see :meth:`MonitorPeer.revert_to`)."""
-        epoch = self.peer.revert_to(url, discovery_seconds, epoch_margin)
+        epoch = self.peer.revert_to(url, discovery_seconds, epoch_margin, order_lifetime=self.revert_window)
         self._revert_started = time.monotonic()
         self.last_saved_epoch = epoch
         return epoch

@@ -1,0 +1,239 @@
+"""Authentication where hivemind 1.1.12 has no hook: averaging groups, state downloads, epoch claims.
+
+hivemind's ``authorizer`` covers DHT RPCs only. Its averagers talk over their own p2p streams without any check,
+and a peer trusts the epoch any progress record claims and the state-sharing priority any peer declares. In a run
+with an authority (a :class:`~lightning_swarm.auth.peer.SwarmAuth`):
+
+- :class:`AuthenticatedAveraging` (mixin for hivemind averagers) adds a *join proof* to the data every group
+  member sends (the token, and a signature by the token's key over the averager prefix and the member's libp2p
+  id, which libp2p authenticates). A leader refuses join requests without a valid proof, and every member checks
+  all proofs of the assembled group before sending a byte of its tensors.
+- the same mixin downloads state only from plausible peers (:func:`plausible_sources`), or from the peer a
+  moderator's revert order names (it orders the donors of
+  :class:`~lightning_swarm.hivemind_ext.state_download.VerifiedStateDownload`, which must follow it in the bases).
+- :class:`EpochGuard` (mixin for hivemind's ProgressTracker) ignores progress records that claim an epoch no other
+  peer confirms (:func:`implausible_claims`), unless a moderator's revert order names it.
+
+Private names used here are listed in :data:`lightning_swarm.hivemind_ext.private_api.PRIVATE_SYMBOLS`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import AsyncIterator, Dict, Hashable, List, Optional
+
+from hivemind.averaging.control import StepControl
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.optim.progress_tracker import LocalTrainingProgress
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MPFuture
+
+from lightning_swarm.auth.logs import RateLimitedLog
+from lightning_swarm.auth.peer import SwarmAuth
+from lightning_swarm.auth.revert import RevertOrder, fetch_revert_order
+from lightning_swarm.auth.tokens import AuthError, TokenCheck, token_from_json, token_to_json
+
+logger = logging.getLogger(__name__)
+
+PROOF_FIELD = "lightning_swarm_auth"
+
+
+# ----------------------------------------------------------------------------------------------- pure rules
+
+
+def implausible_claims(epochs: Dict[Hashable, int], own_epoch: int) -> List[Hashable]:
+    """Peers whose claimed epoch is more than one past ours and not confirmed by any other peer (one at most one
+    epoch below it): honest peers advance together, so a lone jump is a forged record or a fake revert."""
+    return [key for key, epoch in epochs.items()
+            if epoch > own_epoch + 1 and not any(other >= epoch - 1 for k, other in epochs.items() if k != key)]
+
+
+def credible_newest_epoch(epochs: Dict[Hashable, int]) -> Optional[int]:
+    """The newest epoch among peers' claims that another peer confirms; if none is confirmed (e.g. one trainer and
+    one liar), the smallest claim: a forged claim inflates epochs, so the smallest is the one not to distrust."""
+    if not epochs:
+        return None
+    unconfirmed = set(implausible_claims(epochs, own_epoch=-2))
+    confirmed = [epoch for key, epoch in epochs.items() if key not in unconfirmed]
+    return max(confirmed) if confirmed else min(epochs.values())
+
+
+def plausible_sources(priorities: Dict[Hashable, float]) -> Dict[Hashable, float]:
+    """The state sources worth downloading from: a priority (the peer's epoch) must be confirmed by another peer
+    within one epoch, unless there is only one source."""
+    if len(priorities) <= 1:
+        return dict(priorities)
+    return {key: value for key, value in priorities.items()
+            if any(other >= value - 1 for k, other in priorities.items() if k != key)}
+
+
+def _join_bytes(prefix: str, peer_id: bytes) -> bytes:
+    return b"\n".join([b"lightning-swarm-join/v1", prefix.encode(), peer_id])
+
+
+def make_join_proof(auth: SwarmAuth, prefix: str, peer_id: bytes) -> dict:
+    token = auth.token()
+    return dict(token=token_to_json(token), signature=auth.private_key.sign(_join_bytes(prefix, peer_id)))
+
+
+def check_join_proof(auth: SwarmAuth, proof, prefix: str, peer_id: bytes) -> TokenCheck:
+    if not isinstance(proof, dict):
+        return TokenCheck(False, "no access token")
+    try:
+        token = token_from_json(proof["token"])
+        signature = proof["signature"]
+    except (KeyError, TypeError, ValueError):
+        return TokenCheck(False, "a malformed join proof")
+    verdict = auth.check(token)
+    if not verdict.ok:
+        return verdict
+    from hivemind.utils.crypto import RSAPublicKey
+
+    if not RSAPublicKey.from_bytes(token.public_key).verify(_join_bytes(prefix, peer_id), signature):
+        return TokenCheck(False, f"a join proof of {token.username!r} not signed for this peer id")
+    return TokenCheck(True, token.username)
+
+
+# ----------------------------------------------------------------------------------------------- averagers
+
+
+class AuthenticatedAveraging:
+    """Mixin for hivemind averager classes (before them in the bases): see the module docstring.
+
+    Args:
+        swarm_auth: this peer's credentials; None (an open run) leaves the averager exactly as hivemind's.
+        *args, **kwargs: as the averager class.
+    """
+
+    def __init__(self, *args, swarm_auth: Optional[SwarmAuth] = None, **kwargs):
+        self.swarm_auth = swarm_auth
+        self._auth_log = RateLimitedLog()
+        super().__init__(*args, **kwargs)
+
+    # -- what this peer sends: its join proof inside the gathered data
+    async def _step(self, *, step: StepControl, future_for_init: MPFuture):
+        if self.swarm_auth is not None:
+            try:
+                proof = await asyncio.get_running_loop().run_in_executor(
+                    None, make_join_proof, self.swarm_auth, self.prefix, self.peer_id.to_bytes())
+            except AuthError as e:
+                self._auth_log(logging.ERROR, f"{e}; averaging without a token (peers will refuse this peer)")
+                proof = None
+            bandwidth, mode, user_bytes = self.serializer.loads(step.data_for_gather)
+            wrapped = self.serializer.dumps({PROOF_FIELD: proof, "gather": user_bytes})
+            step._data_for_gather = self.serializer.dumps([bandwidth, mode, wrapped])
+        return await super()._step(step=step, future_for_init=future_for_init)
+
+    def _check_member(self, gathered: bytes, peer_id: PeerID) -> tuple:
+        """(TokenCheck, the member's own gathered bytes without the proof)."""
+        try:
+            bandwidth, mode, user_bytes = self.serializer.loads(gathered)
+            wrapped = self.serializer.loads(user_bytes)
+            proof, inner = wrapped[PROOF_FIELD], wrapped["gather"]
+        except Exception:
+            return TokenCheck(False, "no access token"), gathered
+        verdict = check_join_proof(self.swarm_auth, proof, self.prefix, peer_id.to_bytes())
+        return verdict, self.serializer.dumps([bandwidth, mode, inner])
+
+    # -- leaders: refuse followers without a proof
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if self.swarm_auth is not None:
+            verdict, _ = self._check_member(request.gather, context.remote_id)
+            if not verdict.ok:
+                self._auth_log(logging.WARNING, f"[lightning_swarm] refused peer {context.remote_id} in an averaging "
+                                                f"group: {verdict.reason}")
+                yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+                return
+        async for message in super().rpc_join_group(request, context):
+            yield message
+
+    # -- every member: check the whole group before averaging with it
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
+        if self.swarm_auth is not None:
+            unwrapped = []
+            for peer_id, gathered in zip(group_info.peer_ids, group_info.gathered):
+                verdict, inner = self._check_member(gathered, peer_id)
+                if not verdict.ok:
+                    self._auth_log(logging.WARNING, f"[lightning_swarm] left an averaging group with peer {peer_id}: "
+                                                    f"{verdict.reason}")
+                    raise MatchmakingException(f"group member {peer_id} is not authenticated: {verdict.reason}")
+                unwrapped.append(inner)
+            group_info = GroupInfo(group_info.group_id, group_info.peer_ids, tuple(unwrapped))
+        return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+
+    # -- state downloads: plausible sources only, or the moderator's revert
+    def _donors(self) -> List[PeerID]:
+        # VerifiedStateDownload (state_download.py) downloads from these, in this order
+        if self.swarm_auth is None:
+            return super()._donors()
+        return self._state_sources(self._donor_priorities())
+
+    def _state_sources(self, peer_priority: Dict[PeerID, float]) -> List[PeerID]:
+        """Plausible donors, highest priority first; only the revert's peer while a moderator's revert is newest."""
+        peer_priority = {peer: value for peer, value in peer_priority.items() if peer != self.peer_id}
+        kept = plausible_sources(peer_priority)
+        for peer in set(peer_priority) - set(kept):
+            self._auth_log(logging.WARNING, f"[lightning_swarm] ignored state source {peer}: it claims epoch "
+                                            f"{peer_priority[peer]:g}, which no other peer confirms")
+        order = fetch_revert_order(self.dht, self.swarm_auth.run_id, self.swarm_auth.authority_public_key)
+        if order is not None:
+            revert_peer = PeerID.from_base58(order.peer_id)
+            if revert_peer in peer_priority and order.epoch >= max(kept.values(), default=-1) - 1:
+                logger.warning(f"[lightning_swarm] loading the state a moderator reverted the run to "
+                               f"({order.checkpoint}, epoch {order.epoch})")
+                return [revert_peer]
+        tie_breakers = {peer: random.random() for peer in kept}
+        return sorted(kept, key=lambda peer: (kept[peer], tie_breakers[peer]), reverse=True)
+
+
+# ----------------------------------------------------------------------------------------------- progress
+
+
+class EpochGuard:
+    """Mixin for hivemind ProgressTracker classes (before them in the bases): in a run with an authority, progress
+    records claiming an epoch no other peer confirms are ignored and logged, unless a valid revert order names
+    that peer and epoch.
+
+    Args:
+        swarm_auth: the run's authority key and this peer's credentials; None disables the guard (open run).
+    """
+
+    def __init__(self, *args, swarm_auth: Optional[SwarmAuth] = None, **kwargs):
+        self.swarm_auth = swarm_auth
+        self._guard_log = RateLimitedLog(period=300.0)
+        super().__init__(*args, **kwargs)
+
+    def _parse_swarm_progress_data(self, metadata):
+        if self.swarm_auth is not None and isinstance(metadata, dict):
+            metadata = self._drop_implausible(metadata)
+        return super()._parse_swarm_progress_data(metadata)
+
+    def _drop_implausible(self, metadata: dict) -> dict:
+        claims: Dict[bytes, LocalTrainingProgress] = {}
+        for key, entry in metadata.items():
+            if key != self._local_public_key and entry is not None and entry.value is not None:
+                try:
+                    claims[key] = LocalTrainingProgress.parse_obj(entry.value)
+                except Exception:
+                    continue
+        suspects = implausible_claims({key: claim.epoch for key, claim in claims.items()}, self.local_progress.epoch)
+        if not suspects:
+            return metadata
+        order: Optional[RevertOrder] = fetch_revert_order(self.dht, self.swarm_auth.run_id,
+                                                          self.swarm_auth.authority_public_key)
+        kept = dict(metadata)
+        for key in suspects:
+            claim = claims[key]
+            if order is not None and claim.epoch == order.epoch and PeerID(claim.peer_id).to_base58() == order.peer_id:
+                continue  # the moderator's revert
+            self._guard_log(logging.WARNING, f"[lightning_swarm] ignored a progress record claiming epoch "
+                                             f"{claim.epoch}: no other peer confirms it and no moderator's revert "
+                                             f"order names it")
+            del kept[key]
+        return kept
