@@ -223,8 +223,10 @@ def test_outsiders_get_no_record_in_and_into_no_averaging_group(authority, tmp_p
     honest_results = [json.loads((tmp_path / f"{n}.json").read_text()) for n in ("a", "b")]
     for mode in ("none", "expired", "revoked"):
         result = json.loads((tmp_path / f"{mode}.json").read_text())
-        # the leader refuses an outsider's join request whatever state it is in (no ACCEPTED, ever)
-        assert result["codes"] and set(result["codes"]) == {"PROTOCOL_VIOLATION"}, (mode, result)
+        # the leader refuses an outsider's join request whatever state it is in: never ACCEPTED, and refused for
+        # its missing proof (a busy leader may drop a stream without an answer)
+        assert "PROTOCOL_VIOLATION" in result["codes"], (mode, result)
+        assert set(result["codes"]) <= {"PROTOCOL_VIOLATION", "NO_ANSWER"}, (mode, result)
     honest_keys = sorted(result["own_key"] for result in honest_results)
     for result in honest_results:
         assert result["probe"] is None  # no outsider's record reached an honest peer
