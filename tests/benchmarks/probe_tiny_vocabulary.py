@@ -3,7 +3,7 @@
 Trains the recipe's module (configs/dalle_tiny.yaml, built as the CLI builds it, with its optimizer and LR
 schedule stepped per batch as for a lone peer) with the full CLIP BPE vocabulary and with the compact shapes
 vocabulary, from the same seed on the same shapes batches, and prints the validation image and text losses every
-``--every`` steps. Both variants run at once, one thread each. A short probe, not the recipe's quality figures
+``--every`` steps (a JSON line each, as they come). Both variants run at once, one thread each. A short probe, not the recipe's quality figures
 (those come from `inference.evaluate` after a full fit).
 
     python tests/benchmarks/probe_tiny_vocabulary.py [--steps 100] [--every 25]
@@ -84,20 +84,12 @@ def main():
         worker(args.worker, args.steps, args.every, args.val_batches)
         return
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    processes = {v: subprocess.Popen([sys.executable, __file__, "--worker", v, "--steps", str(args.steps), "--every",
-                                      str(args.every), "--val-batches", str(args.val_batches)],
-                                     stdout=subprocess.PIPE, text=True, cwd=REPO, env=env) for v in VOCABULARIES}
-    results = {v: [json.loads(line) for line in p.stdout] for v, p in processes.items()}
-    for p in processes.values():
-        if p.wait() != 0:
-            raise RuntimeError("a probe worker failed")
-    print(f"{'step':>5} " + " ".join(f"{v + ' image':>12} {v + ' text':>12}" for v in VOCABULARIES))
-    for rows in zip(*results.values()):
-        print(f"{rows[0]['step']:>5} " + " ".join(f"{r['val_image_loss']:>12.4f} {r['val_text_loss']:>12.4f}"
-                                                  for r in rows))
-    for v, rows in results.items():
-        print(f"{v}: CPU s per step {rows[-1]['cpu_s'] / rows[-1]['step']:.2f} (training and validation)")
-
+    # each worker prints a JSON line per validation as it goes (one thread each, so both run at once)
+    processes = [subprocess.Popen([sys.executable, __file__, "--worker", v, "--steps", str(args.steps), "--every",
+                                   str(args.every), "--val-batches", str(args.val_batches)], cwd=REPO, env=env)
+                 for v in VOCABULARIES]
+    if any(p.wait() != 0 for p in processes):
+        raise RuntimeError("a probe worker failed")
 
 if __name__ == "__main__":
     main()
