@@ -2,7 +2,7 @@
 
 Trains the recipe's module (configs/dalle_tiny.yaml, built as the CLI builds it, with its optimizer and LR
 schedule stepped per batch as for a lone peer) with the full CLIP BPE vocabulary and with the compact shapes
-vocabulary, from the same seed on the same shapes batches, and prints the validation image and text losses every
+vocabulary, from the same initial weights (the compact model takes the full one's rows) on the same shapes batches, and prints the validation image and text losses every
 ``--every`` steps (a JSON line each, as they come). Both variants run at once, one thread each. A short probe, not the recipe's quality figures
 (those come from `inference.evaluate` after a full fit).
 
@@ -37,6 +37,24 @@ def _batches(tokenizer, split: str, start: int, count: int, batch_size: int):
         yield text, image
 
 
+def _copy_full_init(recipe, compact) -> None:
+    """Load into `compact` the initial weights of the full-vocabulary model of the same seed (its rows of bos, the
+    listed ids and the pads; the unknown row stays as initialised)."""
+    import torch
+
+    torch.manual_seed(0)
+    recipe.model_init_args["text_vocabulary"] = "full"
+    state = recipe.build_model().model.state_dict()
+    config = compact.config
+    rows = torch.tensor([0, *config.text_token_ids])
+    pads = torch.arange(config.text_vocab_size, config.text_vocab_size + config.text_seq_len)
+    own = compact.model.state_dict()
+    for name in ("text_emb.weight", "text_logits_bias"):
+        unknown = own[name][config.text_rows - 1 : config.text_rows]
+        state[name] = torch.cat([state[name][rows], unknown, state[name][pads]])
+    compact.model.load_state_dict(state)
+
+
 def worker(vocabulary: str, steps: int, every: int, val_batches: int) -> None:
     import torch
 
@@ -48,6 +66,8 @@ def worker(vocabulary: str, steps: int, every: int, val_batches: int) -> None:
     recipe = read_recipe_config(REPO / "configs" / "dalle_tiny.yaml")
     recipe.model_init_args["text_vocabulary"] = vocabulary
     module = recipe.build_model()
+    if vocabulary == "shapes":  # start from the full model's initial weights: only the vocabulary differs
+        _copy_full_init(recipe, module)
     optimizers = module.configure_optimizers()
     optimizer, scheduler = optimizers["optimizer"], optimizers["lr_scheduler"]["scheduler"]
     batch_size = recipe.data_init_args["batch_size"]
