@@ -32,6 +32,8 @@ HivemindStrategy and the monitor call it before their averagers start, whatever 
 
 from __future__ import annotations
 
+from typing import Union
+
 import numpy as np
 import torch
 from hivemind.compression import (
@@ -281,3 +283,19 @@ def register_fixed_codecs() -> None:
 
 
 _FIXED_CODECS_REGISTERED = False
+
+
+COMPRESSION_CHOICES = ("adaptive", "fp16", "none")
+
+
+def resolve_compression(compression: Union[str, CompressionBase]) -> CompressionBase:
+    """'adaptive' (8-bit for large tensors, fp16 otherwise), 'fp16', 'none', or a hivemind CompressionBase."""
+    if isinstance(compression, CompressionBase):
+        return compression
+    if compression == "none":
+        return NoCompression()
+    if compression == "fp16":
+        return Float16Compression()
+    if compression == "adaptive":
+        return default_compression()
+    raise ValueError(f"compression must be one of {COMPRESSION_CHOICES} or a hivemind CompressionBase, got {compression!r}")

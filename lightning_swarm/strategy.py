@@ -23,51 +23,29 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import re
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import hivemind
 import torch
-from hivemind.compression import CompressionBase, Float16Compression, NoCompression
+from hivemind.compression import CompressionBase
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_swarm import compression as swarm_compression
 from lightning_swarm import metrics as swarm_metrics
 from lightning_swarm.auth.peer import SwarmAuth, resolve_auth_settings
 from lightning_swarm.callbacks.progress import SwarmProgress
+from lightning_swarm.strategy_options import check_strategy_options
 from lightning_swarm.aggregation import DEFAULT_CENTERED_CLIP_ITERS, check_aggregation_options
 from lightning_swarm.hivemind_ext.state import progress_key
-from lightning_swarm.peers import (
-    INITIAL_PEERS_ENV,
-    check_listen_maddrs,
-    join_message,
-    reachable_maddrs,
-    resolve_initial_peers,
-)
+from lightning_swarm.dht import start_peer_dht
+from lightning_swarm.peers import check_listen_maddrs, resolve_initial_peers
 from lightning_swarm.scheduler import GlobalEpochScheduler, rebind_scheduler
 from lightning_swarm.hivemind_ext.optimizer import SwarmGradientAverager, SwarmOptimizer
 
 log = logging.getLogger(__name__)
-
-COMPRESSION_CHOICES = ("adaptive", "fp16", "none")
-
-
-def resolve_compression(compression: Union[str, CompressionBase]) -> CompressionBase:
-    """'adaptive' (8-bit for large tensors, fp16 otherwise), 'fp16', 'none', or a hivemind CompressionBase."""
-    if isinstance(compression, CompressionBase):
-        return compression
-    if compression == "none":
-        return NoCompression()
-    if compression == "fp16":
-        return Float16Compression()
-    if compression == "adaptive":
-        return swarm_compression.default_compression()
-    raise ValueError(f"compression must be one of {COMPRESSION_CHOICES} or a hivemind CompressionBase, got {compression!r}")
-
 
 def _optimizer_factory(optimizer: torch.optim.Optimizer) -> Callable[[Any], torch.optim.Optimizer]:
     """Re-create the user's optimizer (same class and hyper-parameters) on the param groups hivemind gives it."""
@@ -193,46 +171,17 @@ class HivemindStrategy(SingleDeviceStrategy):
     ):
         super().__init__(device=device or "cpu")
         self._device_given = device is not None
-        if not isinstance(run_id, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]+", run_id):
-            raise ValueError(f"run_id must be a non-empty name of letters, digits, '_', '.', '-', got {run_id!r}")
-        if isinstance(target_batch_size, bool) or not isinstance(target_batch_size, int) or target_batch_size <= 0:
-            raise ValueError(f"target_batch_size must be a positive integer, got {target_batch_size!r}")
-        for name, value in dict(matchmaking_time=matchmaking_time, averaging_timeout=averaging_timeout,
-                                load_state_timeout=load_state_timeout, metrics_interval=metrics_interval).items():
-            if value is None or value <= 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        if next_chunk_timeout is not None and next_chunk_timeout <= 0:
-            raise ValueError(f"next_chunk_timeout must be a positive number of seconds, got {next_chunk_timeout!r}")
-        if allreduce_timeout is not None and allreduce_timeout <= 0:
-            raise ValueError(f"allreduce_timeout must be a positive number of seconds, got {allreduce_timeout!r}")
-        if averaging_timeout <= matchmaking_time:
-            raise ValueError(
-                f"averaging_timeout ({averaging_timeout}) must be larger than matchmaking_time ({matchmaking_time}): "
-                "an averaging round needs time to find a group and then to exchange tensors"
-            )
-        if delay_grad_averaging and delay_optimizer_step is False:
-            raise ValueError("delay_grad_averaging=True requires delay_optimizer_step=True (or leave it unset)")
-        if (delay_optimizer_step or delay_grad_averaging) and offload_optimizer is False:
-            raise ValueError("delay_optimizer_step/delay_grad_averaging need offload_optimizer=True (or leave it unset)")
-        if reuse_grad_buffers and delay_grad_averaging:
-            raise ValueError(
-                "reuse_grad_buffers=True can't be combined with delay_grad_averaging=True: the next backward pass "
-                "would write into the gradient buffers while they are being averaged"
-            )
-        if client_mode and announce_maddrs:
-            raise ValueError("client_mode=True peers accept no incoming connections, so announce_maddrs makes no sense")
-        if use_auto_relay and not use_relay:
-            raise ValueError("use_auto_relay=True requires use_relay=True")
-        if isinstance(average_state_every, bool) or not isinstance(average_state_every, int) or average_state_every < 1:
-            raise ValueError(f"average_state_every must be an integer >= 1, got {average_state_every!r}")
-        for name, value in [("averager_opts.leader_poll_interval", (averager_opts or {}).get("leader_poll_interval")),
-                            ("tracker_opts.min_report_interval", (tracker_opts or {}).get("min_report_interval"))]:
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
-                raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
-        for name, value in dict(compression=compression, load_state_compression=load_state_compression).items():
-            if isinstance(value, str) and value not in COMPRESSION_CHOICES:
-                raise ValueError(f"{name} must be one of {COMPRESSION_CHOICES}, got {value!r}")
-
+        check_strategy_options(
+            run_id=run_id, target_batch_size=target_batch_size, matchmaking_time=matchmaking_time,
+            averaging_timeout=averaging_timeout, allreduce_timeout=allreduce_timeout,
+            load_state_timeout=load_state_timeout, next_chunk_timeout=next_chunk_timeout,
+            metrics_interval=metrics_interval, delay_optimizer_step=delay_optimizer_step,
+            delay_grad_averaging=delay_grad_averaging, offload_optimizer=offload_optimizer,
+            reuse_grad_buffers=reuse_grad_buffers, client_mode=client_mode, announce_maddrs=announce_maddrs,
+            use_relay=use_relay, use_auto_relay=use_auto_relay, average_state_every=average_state_every,
+            averager_opts=averager_opts, tracker_opts=tracker_opts, compression=compression,
+            load_state_compression=load_state_compression,
+        )
         check_aggregation_options(aggregation, centered_clip_tau, centered_clip_iters)
 
         self.run_id = run_id
@@ -310,44 +259,20 @@ class HivemindStrategy(SingleDeviceStrategy):
     def start_dht(self) -> hivemind.DHT:
         """Start this peer's DHT (idempotent) and print how other peers can join."""
         if self._dht is None:
-            dht_kwargs = dict(
+            if self.swarm_auth is None and self.auth_settings:  # the monitor may have set the moderators' own
+                self.swarm_auth = SwarmAuth(self.run_id, **self.auth_settings)
+            self._dht = start_peer_dht(
+                self.run_id,
+                initial_peers=self.initial_peers,
                 host_maddrs=self.host_maddrs,
+                announce_maddrs=self.announce_maddrs,
                 client_mode=self.client_mode,
                 use_relay=self.use_relay,
                 use_auto_relay=self.use_auto_relay,
                 identity_path=self.identity_path,
+                swarm_auth=self.swarm_auth,
+                publish_metrics=self.publish_metrics,
             )
-            if self.announce_maddrs:
-                dht_kwargs["announce_maddrs"] = self.announce_maddrs
-            if self.swarm_auth is None and self.auth_settings:  # the monitor may have set the moderators' own
-                self.swarm_auth = SwarmAuth(self.run_id, **self.auth_settings)
-            if self.swarm_auth is not None:
-                from lightning_swarm.auth.authorizer import OwnerIsRequesterValidator, SwarmAuthorizer
-
-                self.swarm_auth.token()  # no, expired or refused token: stop here with one line saying so
-                self.swarm_auth.install()  # sign records with the token's key (before the validators take it)
-                dht_kwargs["authorizer"] = SwarmAuthorizer(self.swarm_auth)
-            validators = swarm_metrics.make_validators(self.run_id) if self.publish_metrics else []
-            if self.swarm_auth is not None:
-                validators = validators + [OwnerIsRequesterValidator()]
-            try:
-                self._dht = hivemind.DHT(
-                    initial_peers=self.initial_peers or None, start=True, record_validators=validators, **dht_kwargs
-                )
-            except Exception as e:
-                if not self.initial_peers:
-                    raise
-                # a swarm with an authority does not answer a peer without a valid token: say so, in one line
-                hint = ("" if self.swarm_auth is not None else " If the run has an authority, this peer needs an "
-                        "access token (HivemindStrategy(auth=...) or $LIGHTNING_SWARM_AUTH_*, see docs/security.md).")
-                raise RuntimeError(f"[lightning_swarm] could not join run {self.run_id!r}: none of its initial peers "
-                                   f"answered ({e}).{hint}") from e
-            if not self.client_mode:
-                message = join_message(self.run_id, reachable_maddrs(self._dht.get_visible_maddrs()))
-                log.info(message)
-                print(message, flush=True)  # visible whatever the logging configuration
-            elif not self.initial_peers:
-                rank_zero_warn(f"client_mode=True with no initial_peers (nor ${INITIAL_PEERS_ENV}): nobody to join")
         return self._dht
 
     # ---------------------------------------------------------------------------------------------- Lightning
@@ -420,7 +345,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             rebind_scheduler(scheduler, optimizer)  # fail early (e.g. ReduceLROnPlateau) with a clear message
 
         swarm_compression.register_fixed_codecs()  # before the averagers start: peers may send any 8-bit codec
-        compression = resolve_compression(self.compression)
+        compression = swarm_compression.resolve_compression(self.compression)
         dht = self.start_dht()  # also sets swarm_auth in a run with an authority
         kwargs = dict(
             self._hivemind_kwargs,
@@ -429,7 +354,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             client_mode=None,  # derived from the DHT, which knows whether we are in client mode
             grad_compression=compression,
             state_averaging_compression=compression,
-            load_state_compression=resolve_compression(self.load_state_compression),
+            load_state_compression=swarm_compression.resolve_compression(self.load_state_compression),
         )
         kwargs.update(overrides)
         # hivemind passes averager_opts to the state averager only; the gradient averager needs them too

@@ -37,7 +37,7 @@ from lightning_swarm.auth.tokens import (
     public_key_text,
     token_from_json,
 )
-from lightning_swarm.hivemind_ext.keys import use_as_process_key
+from lightning_swarm.auth.keys import use_as_process_key
 
 logger = logging.getLogger(__name__)
 

@@ -56,7 +56,8 @@ Every private name used is listed in :data:`~lightning_swarm.hivemind_ext.privat
     - ``DecentralizedAverager._aggregate_with_group``: overridden to check every group member's proof first.
     - (``state_download``'s donor list, ``_donors``, is filtered to plausible donors: our own code, not hivemind's.)
     - ``ProgressTracker._parse_swarm_progress_data`` (as ``tracker``): drops epoch claims no peer confirms.
-``keys`` (RSA keys in hivemind's classes)
+``auth.keys`` (RSA keys in hivemind's classes; the one private-API module outside this package: ``auth`` needs it
+and ``auth_guards`` here needs ``auth``, so keeping it here would make the two packages import each other)
     - ``RSAPrivateKey._private_key``: loaded from and written to PEM files (hivemind has no loader).
     - ``RSAPrivateKey._process_wide_key`` and ``RSAPrivateKey._process_wide_key_lock``: the key an offline token was
       issued for becomes the key the process signs with.

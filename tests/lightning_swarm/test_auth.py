@@ -335,7 +335,7 @@ def test_a_peer_without_auth_settings_is_told_why_an_authenticated_swarm_does_no
     from hivemind.utils.crypto import RSAPrivateKey
 
     from lightning_swarm.auth.authorizer import SwarmAuthorizer
-    from lightning_swarm.hivemind_ext.keys import private_key_to_pem
+    from lightning_swarm.auth.keys import private_key_to_pem
     from lightning_swarm.strategy import HivemindStrategy
 
     # the authenticated peer signs with this process's own key (so the test process keeps its key)

@@ -11,7 +11,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.utils.crypto import RSAPrivateKey
 
-# the private names used below are listed in private_api.PRIVATE_SYMBOLS
+# the private names used below are listed in lightning_swarm.hivemind_ext.private_api.PRIVATE_SYMBOLS (as auth.keys)
 
 
 def private_key_from_pem(pem: bytes) -> RSAPrivateKey:

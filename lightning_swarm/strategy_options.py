@@ -1,0 +1,74 @@
+"""The checks HivemindStrategy makes on its options, so that a bad config fails at once with a clear message."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, List, Optional
+
+from lightning_swarm.compression import COMPRESSION_CHOICES
+
+
+def check_strategy_options(
+    *,
+    run_id: Any,
+    target_batch_size: Any,
+    matchmaking_time: float,
+    averaging_timeout: float,
+    allreduce_timeout: Optional[float],
+    load_state_timeout: float,
+    next_chunk_timeout: Optional[float],
+    metrics_interval: float,
+    delay_optimizer_step: Optional[bool],
+    delay_grad_averaging: bool,
+    offload_optimizer: Optional[bool],
+    reuse_grad_buffers: bool,
+    client_mode: bool,
+    announce_maddrs: Optional[List[str]],
+    use_relay: bool,
+    use_auto_relay: bool,
+    average_state_every: Any,
+    averager_opts: Optional[Dict[str, Any]],
+    tracker_opts: Optional[Dict[str, Any]],
+    compression: Any,
+    load_state_compression: Any,
+) -> None:
+    """Raise ValueError naming the first bad option (the arguments are HivemindStrategy's, same meaning)."""
+    if not isinstance(run_id, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]+", run_id):
+        raise ValueError(f"run_id must be a non-empty name of letters, digits, '_', '.', '-', got {run_id!r}")
+    if isinstance(target_batch_size, bool) or not isinstance(target_batch_size, int) or target_batch_size <= 0:
+        raise ValueError(f"target_batch_size must be a positive integer, got {target_batch_size!r}")
+    for name, value in dict(matchmaking_time=matchmaking_time, averaging_timeout=averaging_timeout,
+                            load_state_timeout=load_state_timeout, metrics_interval=metrics_interval).items():
+        if value is None or value <= 0:
+            raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    if next_chunk_timeout is not None and next_chunk_timeout <= 0:
+        raise ValueError(f"next_chunk_timeout must be a positive number of seconds, got {next_chunk_timeout!r}")
+    if allreduce_timeout is not None and allreduce_timeout <= 0:
+        raise ValueError(f"allreduce_timeout must be a positive number of seconds, got {allreduce_timeout!r}")
+    if averaging_timeout <= matchmaking_time:
+        raise ValueError(
+            f"averaging_timeout ({averaging_timeout}) must be larger than matchmaking_time ({matchmaking_time}): "
+            "an averaging round needs time to find a group and then to exchange tensors"
+        )
+    if delay_grad_averaging and delay_optimizer_step is False:
+        raise ValueError("delay_grad_averaging=True requires delay_optimizer_step=True (or leave it unset)")
+    if (delay_optimizer_step or delay_grad_averaging) and offload_optimizer is False:
+        raise ValueError("delay_optimizer_step/delay_grad_averaging need offload_optimizer=True (or leave it unset)")
+    if reuse_grad_buffers and delay_grad_averaging:
+        raise ValueError(
+            "reuse_grad_buffers=True can't be combined with delay_grad_averaging=True: the next backward pass "
+            "would write into the gradient buffers while they are being averaged"
+        )
+    if client_mode and announce_maddrs:
+        raise ValueError("client_mode=True peers accept no incoming connections, so announce_maddrs makes no sense")
+    if use_auto_relay and not use_relay:
+        raise ValueError("use_auto_relay=True requires use_relay=True")
+    if isinstance(average_state_every, bool) or not isinstance(average_state_every, int) or average_state_every < 1:
+        raise ValueError(f"average_state_every must be an integer >= 1, got {average_state_every!r}")
+    for name, value in [("averager_opts.leader_poll_interval", (averager_opts or {}).get("leader_poll_interval")),
+                        ("tracker_opts.min_report_interval", (tracker_opts or {}).get("min_report_interval"))]:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+            raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
+    for name, value in dict(compression=compression, load_state_compression=load_state_compression).items():
+        if isinstance(value, str) and value not in COMPRESSION_CHOICES:
+            raise ValueError(f"{name} must be one of {COMPRESSION_CHOICES}, got {value!r}")
