@@ -11,13 +11,7 @@ from recipes.dalle.model import DALLE, DALLEConfig
 from recipes.dalle.reversible import reversible_forward, reversible_forward_eager
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These models are tiny: one thread avoids OpenMP barrier stalls when other processes share the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def small_config(**overrides) -> DALLEConfig:

@@ -10,13 +10,7 @@ from recipes.dalle.tokenizer import TextTokenizer, shapes_token_ids, text_token_
 from recipes.shapes import generate_example
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one thread avoids OpenMP barrier stalls when other processes share the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_config(**overrides) -> DALLEConfig:
