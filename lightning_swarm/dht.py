@@ -44,13 +44,15 @@ def start_peer_dht(
     )
     if announce_maddrs:
         dht_kwargs["announce_maddrs"] = announce_maddrs
-    validators = swarm_metrics.make_validators(run_id) if publish_metrics else []
     if swarm_auth is not None:
         from lightning_swarm.auth.authorizer import OwnerIsRequesterValidator, SwarmAuthorizer
 
         swarm_auth.token()  # no, expired or refused token: stop here with one line saying so
         swarm_auth.install()  # sign records with the token's key (before the validators take it)
         dht_kwargs["authorizer"] = SwarmAuthorizer(swarm_auth)
+    # the metrics validators sign with the process's key: made only after install() set it
+    validators = swarm_metrics.make_validators(run_id) if publish_metrics else []
+    if swarm_auth is not None:
         validators = validators + [OwnerIsRequesterValidator()]
     try:
         dht = hivemind.DHT(initial_peers=initial_peers or None, start=True, record_validators=validators, **dht_kwargs)
