@@ -41,6 +41,7 @@ from lightning_swarm.strategy_options import check_strategy_options
 from lightning_swarm.aggregation import DEFAULT_CENTERED_CLIP_ITERS, check_aggregation_options
 from lightning_swarm.hivemind_ext.state import progress_key
 from lightning_swarm.dht import start_peer_dht
+from lightning_swarm.link_budget import fit_averaging_timeout
 from lightning_swarm.peers import check_listen_maddrs, resolve_initial_peers
 from lightning_swarm.scheduler import GlobalEpochScheduler, rebind_scheduler
 from lightning_swarm.hivemind_ext.optimizer import SwarmGradientAverager, SwarmOptimizer
@@ -78,6 +79,9 @@ class HivemindStrategy(SingleDeviceStrategy):
         averaging_timeout: seconds after which an averaging round is abandoned (the peer then uses its local
             gradients); dead peers are dropped within this time. Must be larger than matchmaking_time.
         allreduce_timeout: seconds to wait for the all-reduce itself (default: averaging_timeout).
+        link_mbit: the slowest link expected in the swarm (Mbit/s, the slower direction). If given, averaging_timeout
+            and allreduce_timeout are raised where a round of this model with this codec needs longer at that rate
+            (see :mod:`lightning_swarm.link_budget`); if not, the log says which links the timeouts suit.
         load_state_timeout: seconds a joining peer waits for the next part of the state from a peer before it
             tries another one (a stall: the whole download may take much longer over a slow link; failed downloads
             are retried, see :mod:`lightning_swarm.hivemind_ext.state_download`).
@@ -147,6 +151,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         matchmaking_time: float = 5.0,
         averaging_timeout: float = 60.0,
         allreduce_timeout: Optional[float] = None,
+        link_mbit: Optional[float] = None,
         load_state_timeout: float = 60.0,
         next_chunk_timeout: Optional[float] = None,
         delay_optimizer_step: Optional[bool] = None,
@@ -198,6 +203,9 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.client_mode = client_mode
         self.use_relay, self.use_auto_relay = use_relay, use_auto_relay
         self.compression, self.load_state_compression = compression, load_state_compression
+        if link_mbit is not None and not (isinstance(link_mbit, (int, float)) and link_mbit > 0):
+            raise ValueError(f"link_mbit must be a positive number of Mbit/s, got {link_mbit!r}")
+        self.link_mbit = link_mbit
         self.reuse_grad_buffers = reuse_grad_buffers
         self.publish_metrics, self.metrics_interval = publish_metrics, metrics_interval
         self.log_progress = log_progress
@@ -357,6 +365,11 @@ class HivemindStrategy(SingleDeviceStrategy):
             load_state_compression=swarm_compression.resolve_compression(self.load_state_compression),
         )
         kwargs.update(overrides)
+        kwargs["averaging_timeout"], kwargs["allreduce_timeout"], message, too_slow = fit_averaging_timeout(
+            [param for group in optimizer.param_groups for param in group["params"]], compression,
+            kwargs["averaging_timeout"], kwargs["allreduce_timeout"], kwargs["matchmaking_time"], self.link_mbit,
+            kwargs["averager_opts"].get("target_group_size"))
+        (log.warning if too_slow else log.info)(message)
         # hivemind passes averager_opts to the state averager only; the gradient averager needs them too
         # (with local updates there is no gradient averager, and hivemind refuses a factory for it)
         grad_averager_factory = None if kwargs["use_local_updates"] else functools.partial(

@@ -33,6 +33,9 @@ from netns_harness import PROFILES, shaped_network  # noqa: E402
 PROFILE_NAMES = os.environ.get("BENCH_PROFILES", "datacenter,home,poor").split(",")
 SIZES_M = [int(size) for size in os.environ.get("BENCH_SIZES", "25,144").split(",")]
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "2"))
+CODECS = os.environ.get("BENCH_CODECS", "adaptive,fp16,none").split(",")
+# the peers' stderr (hivemind's log) goes to files in this directory when set, else nowhere
+LOG_DIR = os.environ.get("BENCH_LOG_DIR")
 STATE_MPARAMS = int(os.environ.get("BENCH_STATE_MPARAMS", "25"))
 # 1b recipe (configs/dalle_1b.yaml): 144M unique fp32 parameters + LAMB8bit's two 8-bit statistics (1 byte each; its
 # per-block scales add ~0.2%), downloaded uncompressed (load_state_compression "none")
@@ -65,6 +68,24 @@ def wire_bytes(codec_name: str, num_params: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------- worker processes
+def session_cpu_seconds() -> dict:
+    """CPU seconds (user + system) used so far by the processes of this peer's session (run_pair starts each peer in
+    its own): its Python processes (main, DHT, averager) and its p2pd daemon, by program name."""
+    session, ticks, totals = os.getsid(0), os.sysconf("SC_CLK_TCK"), {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # exited meanwhile
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        if int(fields[3]) == session:  # fields from the state on: state ppid pgrp session ... utime(11) stime(12)
+            kind = "p2pd" if name == "p2pd" else "python"
+            totals[kind] = totals.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return totals
+
+
 def _dht(address: str, initial_peer: str):
     import hivemind
 
@@ -82,12 +103,14 @@ def averaging_peer(address: str, initial_peer: str, codec: str, num_params: int,
     averager = hivemind.averaging.DecentralizedAverager(
         _tensors(num_params, "randn"), dht=dht, prefix="bench_net", target_group_size=2, min_matchmaking_time=3.0,
         request_timeout=1.5, next_chunk_timeout=30.0, compression=_codec(codec), start=True)
-    times = []
+    times, cpu = [], []
     for _ in range(rounds):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), session_cpu_seconds()
         averager.step(timeout=900)
         times.append(time.perf_counter() - start)
-    print("RESULT", json.dumps(times), flush=True)
+        cpu_end = session_cpu_seconds()
+        cpu.append({kind: cpu_end[kind] - cpu_start.get(kind, 0.0) for kind in cpu_end})
+    print("RESULT", json.dumps({"seconds": times, "cpu": cpu}), flush=True)
     time.sleep(3)  # let the other peer finish its last round
     averager.shutdown()
     dht.shutdown()
@@ -116,7 +139,9 @@ def run_pair(net, first_args: list, second_args, timeout: float = 1800) -> list:
     """Peer 0 runs `first_args`, peer 1 `second_args(maddr of peer 0)`; returns peer 1's (and 0's) RESULT lines."""
     me = [sys.executable, __file__]
     env = dict(os.environ, PYTHONPATH=str(REPO))  # this checkout's lightning_swarm, whatever is pip-installed
-    first = subprocess.Popen(net.command(0, me + first_args), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    logs = [open(Path(LOG_DIR) / f"{first_args[0]}-{time.time():.0f}-{index}.log", "w") if LOG_DIR else
+            subprocess.DEVNULL for index in (0, 1)]
+    first = subprocess.Popen(net.command(0, me + first_args), stdout=subprocess.PIPE, stderr=logs[0],
                              text=True, start_new_session=True, env=env)
     second = None
     try:
@@ -124,7 +149,7 @@ def run_pair(net, first_args: list, second_args, timeout: float = 1800) -> list:
         if maddr is None:
             raise RuntimeError("the first peer printed no MADDR")
         second = subprocess.Popen(net.command(1, me + second_args(maddr)), stdout=subprocess.PIPE,
-                                  stderr=subprocess.DEVNULL, text=True, start_new_session=True, env=env)
+                                  stderr=logs[1], text=True, start_new_session=True, env=env)
         out_second, _ = second.communicate(timeout=timeout)
         results = [json.loads(line.split(" ", 1)[1]) for line in out_second.splitlines() if line.startswith("RESULT")]
         return results
@@ -133,29 +158,34 @@ def run_pair(net, first_args: list, second_args, timeout: float = 1800) -> list:
             if process is not None and process.poll() is None:
                 os.killpg(process.pid, 9)
                 process.wait()
+        for log in logs:
+            if log is not subprocess.DEVNULL:
+                log.close()
 
 
 # ------------------------------------------------------------------------------------------------ benchmarks
 def bench_averaging() -> None:
     print(f"== averaging round, 2 peers, {ROUNDS} rounds (seconds per round at the second peer) vs bandwidth bound")
     print(f"{'profile':10s} {'Mparams':>7s} {'codec':9s} {'MB/peer/dir':>11s} {'bound s':>8s} {'rounds s':>16s} "
-          f"{'best/bound':>10s}")
+          f"{'best/bound':>10s} {'CPU s/round: python, p2pd':>26s}")
     for profile in PROFILE_NAMES:
         link = PROFILES[profile]
         for size in SIZES_M:
             num_params = size * 1_000_000
-            for codec in ("adaptive", "fp16", "none"):
+            for codec in CODECS:
                 per_direction = wire_bytes(codec, num_params) * 2 * (2 - 1) / 2  # 2 (g-1)/g, g = 2 peers
                 bound = per_direction / link.bytes_per_second
                 with shaped_network([profile, profile]) as net:
                     args = lambda initial: ["averaging-peer", net.addresses[1 if initial else 0], initial, codec,
                                             str(num_params), str(ROUNDS)]
                     results = run_pair(net, args(""), args)
-                times = results[0] if results else []
+                times = results[0]["seconds"] if results else []
                 shown = ", ".join(f"{t:.1f}" for t in times) or "failed"
                 ratio = f"{min(times) / bound:.2f}" if times else "-"
+                cpu = "; ".join(f"{r.get('python', 0):.1f}, {r.get('p2pd', 0):.1f}" for r in results[0]["cpu"]) \
+                    if results else "-"
                 print(f"{profile:10s} {size:7d} {codec:9s} {per_direction / 1e6:11.1f} {bound:8.2f} {shown:>16s} "
-                      f"{ratio:>10s}", flush=True)
+                      f"{ratio:>10s} {cpu:>26s}", flush=True)
 
 
 def bench_state() -> None:
