@@ -34,6 +34,8 @@ PROFILE_NAMES = os.environ.get("BENCH_PROFILES", "datacenter,home,poor").split("
 SIZES_M = [int(size) for size in os.environ.get("BENCH_SIZES", "25,144").split(",")]
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "2"))
 CODECS = os.environ.get("BENCH_CODECS", "adaptive,fp16,none").split(",")
+# checkouts whose lightning_swarm the peers import, compared row by row (default: this one); e.g. main's and a branch's
+CODE_DIRS = [d for d in os.environ.get("BENCH_CODE_DIRS", "").split(",") if d] or [str(REPO)]
 # the peers' stderr (hivemind's log) goes to files in this directory when set, else nowhere
 LOG_DIR = os.environ.get("BENCH_LOG_DIR")
 STATE_MPARAMS = int(os.environ.get("BENCH_STATE_MPARAMS", "25"))
@@ -135,10 +137,11 @@ def state_peer(address: str, initial_peer: str, num_params: int) -> None:
     dht.shutdown()
 
 
-def run_pair(net, first_args: list, second_args, timeout: float = 1800) -> list:
-    """Peer 0 runs `first_args`, peer 1 `second_args(maddr of peer 0)`; returns peer 1's (and 0's) RESULT lines."""
+def run_pair(net, first_args: list, second_args, timeout: float = 1800, code_dir: str = str(REPO)) -> list:
+    """Peer 0 runs `first_args`, peer 1 `second_args(maddr of peer 0)`; returns peer 1's RESULT lines.
+    code_dir: the checkout whose lightning_swarm the peers import (whatever is pip-installed)."""
     me = [sys.executable, __file__]
-    env = dict(os.environ, PYTHONPATH=str(REPO))  # this checkout's lightning_swarm, whatever is pip-installed
+    env = dict(os.environ, PYTHONPATH=code_dir)
     logs = [open(Path(LOG_DIR) / f"{first_args[0]}-{time.time():.0f}-{index}.log", "w") if LOG_DIR else
             subprocess.DEVNULL for index in (0, 1)]
     first = subprocess.Popen(net.command(0, me + first_args), stdout=subprocess.PIPE, stderr=logs[0],
@@ -167,7 +170,7 @@ def run_pair(net, first_args: list, second_args, timeout: float = 1800) -> list:
 def bench_averaging() -> None:
     print(f"== averaging round, 2 peers, {ROUNDS} rounds (seconds per round at the second peer) vs bandwidth bound")
     print(f"{'profile':10s} {'Mparams':>7s} {'codec':9s} {'MB/peer/dir':>11s} {'bound s':>8s} {'rounds s':>16s} "
-          f"{'best/bound':>10s} {'CPU s/round: python, p2pd':>26s}")
+          f"{'best/bound':>10s} {'CPU s/round: python, p2pd':>26s}" + ("  code" if len(CODE_DIRS) > 1 else ""))
     for profile in PROFILE_NAMES:
         link = PROFILES[profile]
         for size in SIZES_M:
@@ -175,18 +178,19 @@ def bench_averaging() -> None:
             for codec in CODECS:
                 per_direction = wire_bytes(codec, num_params) * 2 * (2 - 1) / 2  # 2 (g-1)/g, g = 2 peers
                 bound = per_direction / link.bytes_per_second
-                with shaped_network([profile, profile]) as net:
-                    args = lambda initial: ["averaging-peer", net.addresses[1 if initial else 0], initial, codec,
-                                            str(num_params), str(ROUNDS)]
-                    results = run_pair(net, args(""), args)
-                times = results[0]["seconds"] if results else []
-                shown = ", ".join(f"{t:.1f}" for t in times) or "failed"
-                ratio = f"{min(times) / bound:.2f}" if times else "-"
-                cpu = "; ".join(f"{r.get('python', 0):.1f}, {r.get('p2pd', 0):.1f}" for r in results[0]["cpu"]) \
-                    if results else "-"
-                print(f"{profile:10s} {size:7d} {codec:9s} {per_direction / 1e6:11.1f} {bound:8.2f} {shown:>16s} "
-                      f"{ratio:>10s} {cpu:>26s}", flush=True)
-
+                for code_dir in CODE_DIRS:
+                    with shaped_network([profile, profile]) as net:
+                        args = lambda initial: ["averaging-peer", net.addresses[1 if initial else 0], initial,
+                                                codec, str(num_params), str(ROUNDS)]
+                        results = run_pair(net, args(""), args, code_dir=code_dir)
+                    times = results[0]["seconds"] if results else []
+                    shown = ", ".join(f"{t:.1f}" for t in times) or "failed"
+                    ratio = f"{min(times) / bound:.2f}" if times else "-"
+                    cpu = "; ".join(f"{r.get('python', 0):.1f}, {r.get('p2pd', 0):.1f}"
+                                    for r in results[0]["cpu"]) if results else "-"
+                    print(f"{profile:10s} {size:7d} {codec:9s} {per_direction / 1e6:11.1f} {bound:8.2f} {shown:>16s} "
+                          f"{ratio:>10s} {cpu:>26s}" + (f"  {code_dir}" if len(CODE_DIRS) > 1 else ""),
+                          flush=True)
 
 def bench_state() -> None:
     num_params = STATE_MPARAMS * 1_000_000
