@@ -88,8 +88,8 @@ def fit_averaging_timeout(tensors: Iterable[torch.Tensor], compression: Compress
         group_size: peers per averaging group, None if not limited.
 
     Returns:
-        (averaging_timeout, allreduce_timeout, message, too_slow): too_slow is True when, without `link_mbit`, the
-        timeouts do not suit a 50 Mbit/s home link.
+        (averaging_timeout, allreduce_timeout, message, warn): warn is True when a timeout was raised, or when,
+        without `link_mbit`, the timeouts do not suit a 50 Mbit/s home link (the message is worth a warning).
     """
     each_way = round_bytes_each_way(encoded_bytes(tensors, compression), group_size)
     size = f"an averaging round sends up to {each_way / 1e6:.1f} MB each way"
@@ -105,4 +105,4 @@ def fit_averaging_timeout(tensors: Iterable[torch.Tensor], compression: Compress
     message = (f"{size}, at {link_mbit:g} Mbit/s ~{needed:.0f} s with matchmaking and a {ROUND_TIME_MARGIN:g}x "
                f"margin: averaging_timeout raised from {averaging_timeout:g} to {max(averaging_timeout, needed):.0f} s")
     return (max(averaging_timeout, needed), None if allreduce_timeout is None else max(allreduce_timeout, needed),
-            message, False)
+            message, True)

@@ -365,11 +365,11 @@ class HivemindStrategy(SingleDeviceStrategy):
             load_state_compression=swarm_compression.resolve_compression(self.load_state_compression),
         )
         kwargs.update(overrides)
-        kwargs["averaging_timeout"], kwargs["allreduce_timeout"], message, too_slow = fit_averaging_timeout(
+        kwargs["averaging_timeout"], kwargs["allreduce_timeout"], message, warn = fit_averaging_timeout(
             [param for group in optimizer.param_groups for param in group["params"]], compression,
             kwargs["averaging_timeout"], kwargs["allreduce_timeout"], kwargs["matchmaking_time"], self.link_mbit,
             kwargs["averager_opts"].get("target_group_size"))
-        (log.warning if too_slow else log.info)(message)
+        (log.warning if warn else log.info)(message)
         # hivemind passes averager_opts to the state averager only; the gradient averager needs them too
         # (with local updates there is no gradient averager, and hivemind refuses a factory for it)
         grad_averager_factory = None if kwargs["use_local_updates"] else functools.partial(
