@@ -213,6 +213,15 @@ class ShapesCLIPDataset(Dataset):
         self.split, self.size, self.num_negatives, self.seed = split, size, num_negatives, seed
         self.num_perturbed, self.sloppy_positive_prob = num_perturbed, sloppy_positive_prob
         self.tokenizer = open_clip.tokenizer.SimpleTokenizer(context_length=context_length)
+        self._tokens: dict[str, torch.Tensor] = {}  # caption -> token row: the grammar has few captions, and
+        # open_clip's tokenizer (ftfy clean-up, BPE) was ~1/6 of drawing a batch
+
+    def _tokenize(self, captions: list[str]) -> torch.Tensor:
+        """[len(captions), context_length] token rows, as open_clip's tokenizer gives them (cached per caption)."""
+        missing = [c for c in dict.fromkeys(captions) if c not in self._tokens]
+        if missing:
+            self._tokens.update(zip(missing, self.tokenizer(missing)))
+        return torch.stack([self._tokens[c] for c in captions])
 
     def __len__(self) -> int:
         return self.size
@@ -231,7 +240,7 @@ class ShapesCLIPDataset(Dataset):
         kinds = list(rng.permutation(negative_kinds(labels)))
         kinds = (kinds * self.num_negatives)[: self.num_negatives]
         negatives = [hard_negative(labels, kind, rng) for kind in kinds]
-        tokens = self.tokenizer([caption] + [caption_of(n) for n in negatives])
+        tokens = self._tokenize([caption] + [caption_of(n) for n in negatives])
         if rng.random() < self.sloppy_positive_prob:
             sloppy = self._sloppy(caption, labels, rng, correct=True)
             codes = codes if sloppy is None else sloppy
@@ -261,9 +270,21 @@ class RenderCollate:
     def __init__(self, image_size: int, mean: tuple[float, ...], std: tuple[float, ...]):
         if image_size % GRID_SIZE:
             raise ValueError(f"image_size must be a multiple of the {GRID_SIZE}-cell grid, got {image_size}")
-        self.codec = PaletteCodec(cell_pixels=image_size // GRID_SIZE)
-        self.mean = torch.tensor(mean).view(1, 3, 1, 1)
-        self.std = torch.tensor(std).view(1, 3, 1, 1)
+        self.cell_pixels = image_size // GRID_SIZE
+        codec = PaletteCodec(cell_pixels=self.cell_pixels)
+        # each palette colour normalised once: the same float32 values as normalising the decoded picture
+        # (codec.decode), in one pass over the batch's pixels instead of three
+        self.normalised_colours = (codec.colours - torch.tensor(mean)) / torch.tensor(std)  # [K, 3]
+
+    def render(self, codes: torch.Tensor) -> torch.Tensor:
+        """Normalised RGB [N, 3, H, W] of code grids [N, 16, 16]."""
+        if codes.numel() and (codes.min() < 0 or codes.max() >= len(self.normalised_colours)):
+            raise ValueError(f"codes must lie in [0, {len(self.normalised_colours)}), got [{codes.min()}, {codes.max()}]")
+        cells = self.normalised_colours[codes].permute(0, 3, 1, 2)  # [N, 3, 16, 16]
+        n, c = cells.shape[:2]
+        pixels = self.cell_pixels
+        return (cells[:, :, :, None, :, None].expand(n, c, GRID_SIZE, pixels, GRID_SIZE, pixels)
+                .reshape(n, c, GRID_SIZE * pixels, GRID_SIZE * pixels))
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         batch = {key: torch.stack([e[key] for e in examples]) for key in examples[0]}
@@ -273,7 +294,7 @@ class RenderCollate:
                 codes = batch.pop(codes_key)
                 if codes.numel() == 0:  # no perturbed pictures asked for
                     continue
-                images = (self.codec.decode(codes.flatten(0, -3)) - self.mean) / self.std
+                images = self.render(codes.flatten(0, -3))
                 batch[image_key] = images.view(*codes.shape[:-2], *images.shape[1:])
         return batch
 
