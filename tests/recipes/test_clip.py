@@ -7,11 +7,11 @@ import torch
 from safetensors import safe_open
 
 from recipes.clip.__main__ import main
-from recipes.clip.data import (NEGATIVE_KINDS, NUM_LAYOUTS, OPPOSITE, ShapesCLIPDataModule, ShapesCLIPDataset, caption_of,
-                               cut_line, draw, hard_negative, hard_negative_caption, keep_blocks, layout_class,
+from recipes.clip.data import (NEGATIVE_KINDS, NUM_LAYOUTS, OPPOSITE, RenderCollate, ShapesCLIPDataModule,
+                               ShapesCLIPDataset, caption_of, cut_line, draw, hard_negative, hard_negative_caption, keep_blocks, layout_class,
                                negative_kinds)
 from recipes.clip.module import CLIPModule, contrastive_loss, same_caption_mask
-from recipes.shapes import COLOURS, SHAPES, check_caption, find_blobs, generate_example, parse_caption, shape_mask
+from recipes.shapes import COLOURS, SHAPES, PaletteCodec, check_caption, find_blobs, generate_example, parse_caption, shape_mask
 
 TINY = {
     "embed_dim": 16,
@@ -187,6 +187,23 @@ def test_batches_render_palette_images_at_the_model_size():
     batch = next(iter(data.train_dataloader()))
     assert batch["image"].shape == (4, 3, 32, 32) and batch["text"].shape == (4, 16)
     assert not torch.equal(batch["text"], batch["negative_text"])
+
+
+def test_batch_pictures_and_tokens_are_the_codec_and_tokenizer_outputs():
+    """The batch path renders and tokenizes its own (faster) way: the result must stay what the palette codec
+    (normalised as the exported preprocess config says) and open_clip's tokenizer give."""
+    dataset = ShapesCLIPDataset("train", 8, context_length=16, num_negatives=2, num_perturbed=1)
+    examples = [dataset[i] for i in range(8)] + [dataset[0]]  # a repeated caption comes from the cache
+    mean, std = open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD
+    batch = RenderCollate(32, mean, std)(examples)
+    codes = torch.stack([e["perturbed_codes"] for e in examples])  # [9, 1, 16, 16]
+    expected = (PaletteCodec(cell_pixels=2).decode(codes.flatten(0, 1)) - torch.tensor(mean).view(1, 3, 1, 1)) \
+        / torch.tensor(std).view(1, 3, 1, 1)
+    assert torch.equal(batch["perturbed_image"].flatten(0, 1), expected)
+    captions = [generate_example(i, "train", 0)[0] for i in range(8)] + [generate_example(0, "train", 0)[0]]
+    assert torch.equal(batch["text"], open_clip.tokenizer.SimpleTokenizer(context_length=16)(captions))
+    with pytest.raises(ValueError, match="codes must lie in"):
+        RenderCollate(32, mean, std).render(torch.full((1, 16, 16), 8))
 
 
 def test_training_steps_reduce_the_loss():
