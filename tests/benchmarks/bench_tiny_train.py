@@ -7,7 +7,14 @@ batches, per variant:
     compact       the compact shapes vocabulary (model.text_vocabulary: shapes), reversible layers
     compact-plain the compact vocabulary and plain residual layers (no recomputation in backward)
 
-CLIP (configs/clip_tiny.yaml's model and batch, fp32): a step of `CLIPModule` on a real batch (``--clip``).
+CLIP (configs/clip_tiny.yaml's model and batch, fp32): a step of `CLIPModule` on a real batch (``--clip``), and
+the CPU time of drawing a batch (what the DataLoader worker does beside the model; the median of 3 batches after
+a first one), per variant of the data settings (``--clip-variants``):
+
+    clip_tiny     the config as shipped (128 examples a batch, 2 sloppy wrong drawings each: 512 pictures)
+    batch80       80 examples a batch (320 pictures)
+    perturbed1    1 sloppy wrong drawing per example (384 pictures)
+    batch96-p1    96 examples a batch, 1 sloppy wrong drawing each (288 pictures)
 
 Each measurement runs in a fresh subprocess; the variants alternate ``--repeats`` times and the medians are
 printed, with the CPU time per step (user + system of the process, all threads) next to the wall time: other
@@ -16,6 +23,7 @@ after) as about the step, and the CPU time is the steadier figure. A run's time 
 step plus start-up and validation.
 
     python tests/benchmarks/bench_tiny_train.py [--threads 1 2] [--repeats 2] [--steps 4] [--clip]
+    python tests/benchmarks/bench_tiny_train.py --variants --clip --clip-variants clip_tiny perturbed1  # CLIP only
 """
 
 from __future__ import annotations
@@ -36,6 +44,13 @@ DALLE_VARIANTS = {
     "before": {"text_vocabulary": "full", "reversible": True},
     "compact": {"text_vocabulary": "shapes", "reversible": True},
     "compact-plain": {"text_vocabulary": "shapes", "reversible": False},
+}
+
+CLIP_VARIANTS = {  # data settings over configs/clip_tiny.yaml's
+    "clip_tiny": {},
+    "batch80": {"batch_size": 80},
+    "perturbed1": {"num_perturbed": 1},
+    "batch96-p1": {"batch_size": 96, "num_perturbed": 1},
 }
 
 
@@ -77,8 +92,9 @@ def dalle_worker(variant: str, threads: int, steps: int, warmup: int) -> dict:
     return _time_steps(step, steps, warmup, batch_size, model_params=sum(p.numel() for p in model.parameters()))
 
 
-def clip_worker(threads: int, steps: int, warmup: int) -> dict:
-    """Time training steps of the tiny CLIP in this process (the batch is drawn once, outside the timing)."""
+def clip_worker(variant: str, threads: int, steps: int, warmup: int) -> dict:
+    """Time training steps of the tiny CLIP in this process (the batch is drawn outside the timing), and drawing
+    batches."""
     import torch
 
     from recipes.clip.data import ShapesCLIPDataModule
@@ -87,9 +103,14 @@ def clip_worker(threads: int, steps: int, warmup: int) -> dict:
     torch.set_num_threads(threads)
     recipe = _recipe("clip_tiny.yaml", model_class="recipes.clip.module.CLIPModule")
     data_args = {k: v for k, v in recipe.data_init_args.items() if k != "num_workers"}
-    start = time.process_time()
-    batch = next(iter(ShapesCLIPDataModule(**data_args, num_workers=0).train_dataloader()))
-    data_cpu = time.process_time() - start
+    data_args.update(CLIP_VARIANTS[variant])
+    batches = iter(ShapesCLIPDataModule(**data_args, num_workers=0).train_dataloader())
+    batch = next(batches)
+    data_cpu = []
+    for _ in range(3):  # after the first batch, as in a run: the worker's caches are warm
+        start = time.process_time()
+        next(batches)
+        data_cpu.append(time.process_time() - start)
     module = recipe.build_model()
     optimizer = module.configure_optimizers()["optimizer"]
 
@@ -100,7 +121,9 @@ def clip_worker(threads: int, steps: int, warmup: int) -> dict:
 
     result = _time_steps(step, steps, warmup, len(batch["image"]),
                          model_params=sum(p.numel() for p in module.parameters()))
-    result["data_cpu_s_per_batch"] = data_cpu  # drawing a batch: DataLoader workers do it beside the model
+    result["data_cpu_s_per_batch"] = statistics.median(data_cpu)  # DataLoader workers do it beside the model
+    result["pictures"] = sum(len(batch[k].flatten(0, -4)) for k in ("image", "negative_image", "perturbed_image")
+                             if k in batch)
     return result
 
 
@@ -130,11 +153,13 @@ def load() -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch threads to measure")
-    parser.add_argument("--variants", nargs="+", default=list(DALLE_VARIANTS), choices=list(DALLE_VARIANTS))
+    parser.add_argument("--variants", nargs="*", default=list(DALLE_VARIANTS), choices=list(DALLE_VARIANTS),
+                        help="DALL-E variants (none: --variants alone)")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per measurement")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     parser.add_argument("--repeats", type=int, default=2, help="measurements of each variant, alternating")
     parser.add_argument("--clip", action="store_true", help="also measure the tiny CLIP's step")
+    parser.add_argument("--clip-variants", nargs="+", default=["clip_tiny"], choices=list(CLIP_VARIANTS))
     parser.add_argument("--worker", choices=["dalle", "clip"], help=argparse.SUPPRESS)
     parser.add_argument("--variant", default="compact", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -142,7 +167,7 @@ def main():
         print(json.dumps(dalle_worker(args.variant, args.threads[0], args.steps, args.warmup)))
         return
     if args.worker == "clip":
-        print(json.dumps(clip_worker(args.threads[0], args.steps, args.warmup)))
+        print(json.dumps(clip_worker(args.variant, args.threads[0], args.steps, args.warmup)))
         return
     import torch
 
@@ -150,7 +175,7 @@ def main():
           f"native bf16 {torch.ops.mkldnn._is_mkldnn_bf16_supported()}")
     print(f"load before: {load()}", flush=True)
     runs = [("dalle", v, t) for t in args.threads for v in args.variants]
-    runs += [("clip", "clip_tiny", t) for t in args.threads] if args.clip else []
+    runs += [("clip", v, t) for t in args.threads for v in args.clip_variants] if args.clip else []
     results = {run: [] for run in runs}
     for repeat in range(args.repeats):
         for run in runs:
@@ -159,13 +184,21 @@ def main():
             print(f"[{repeat}] {run[0]} {run[1]} threads={run[2]}: {figures}", flush=True)
     print(f"load after: {load()}")
     print(f"{'model':6} {'variant':14} {'threads':>7} {'params M':>9} {'cpu s/step':>11} {'wall s/step':>12} "
-          f"{'samples/s':>10}")
+          f"{'samples/s':>10} {'data cpu s/batch':>17}")
     for (kind, variant, threads), rows in results.items():
         cpu = statistics.median(r["cpu_s_per_step"] for r in rows)
         wall = statistics.median(r["wall_s_per_step"] for r in rows)
         samples = statistics.median(r["samples_per_s"] for r in rows)
+        data = f"{statistics.median(r['data_cpu_s_per_batch'] for r in rows):>17.3f}" if kind == "clip" else ""
         print(f"{kind:6} {variant:14} {threads:>7} {rows[0]['params_M']:>9.2f} {cpu:>11.3f} {wall:>12.3f} "
-              f"{samples:>10.2f}")
+              f"{samples:>10.2f} {data}")
+    for threads in args.threads:  # the CLIP variants' model + data CPU time against the shipped config's
+        base = results.get(("clip", "clip_tiny", threads))
+        for variant in args.clip_variants if args.clip and base else []:
+            total = [statistics.median(r["cpu_s_per_step"] + r["data_cpu_s_per_batch"] for r in rows)
+                     for rows in (results[("clip", variant, threads)], base)]
+            print(f"clip threads={threads}: {variant} model + data CPU s per step {total[0]:.3f} "
+                  f"= {total[0] / total[1]:.2f}x clip_tiny")
     for threads in args.threads:
         base = ("dalle", "before", threads)
         if base in results:
