@@ -20,6 +20,7 @@ calls it is in :mod:`lightning_swarm.hivemind_ext.robust_allreduce`):
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -109,32 +110,59 @@ def centered_clip(
     """
     if len(parts) == 1:
         return parts[0].to(torch.float32).clone()
-    stacked = torch.stack([p.reshape(-1).to(torch.float32) for p in parts])  # [senders, values]
+    rows = [p.reshape(-1).to(torch.float32) for p in parts]
+    size = rows[0].numel()
     w = torch.tensor(weights, dtype=torch.float32)
     # no sender outweighs the median sender: CenteredClip resists a minority of the weight, and a fast (or lying)
     # peer must not buy a majority with its sample count
     w = torch.minimum(w, w.median())
     w = w / w.sum()
-    estimate = _coordinate_median(stacked) if len(parts) > 2 else w @ stacked
-    diffs = torch.empty_like(stacked)  # reused: one pass to subtract, one for the norms, one for the step
+    estimate = torch.empty(size, dtype=torch.float32)  # fresh: it is handed to the senders
+    if len(rows) > 2:
+        _coordinate_median(rows, out=estimate)
+    else:
+        torch.add(rows[0] * w[0], rows[1], alpha=float(w[1]), out=estimate)
+    # scratch buffers reused from part to part: a fresh 2 MB tensor costs page faults that take longer than the
+    # arithmetic on it
+    diffs = _scratch("diffs", len(rows) * size).view(len(rows), size)
+    step = _scratch("step", size)
     for _ in range(iters):
-        torch.sub(stacked, estimate, out=diffs)
+        for row, diff in zip(rows, diffs):
+            torch.sub(row, estimate, out=diff)
         norms = torch.linalg.vector_norm(diffs, dim=1)
         radius = _weighted_median(norms, w) if tau is None else torch.tensor(float(tau))
         scale = torch.where(norms > radius, radius / norms.clamp_min(1e-30), torch.ones_like(norms))
-        step = (w * scale) @ diffs
+        torch.matmul((w * scale).unsqueeze(0), diffs, out=step.view(1, size))
         estimate += step
         if float(torch.linalg.vector_norm(step)) <= CENTERED_CLIP_TOLERANCE * float(torch.linalg.vector_norm(estimate)):
             break
     return estimate.reshape(parts[0].shape)
 
 
-def _coordinate_median(stacked: torch.Tensor) -> torch.Tensor:
-    """Coordinate-wise median of the rows (for 3 rows, with min/max: several times faster than torch.median)."""
-    if stacked.shape[0] == 3:
-        a, b, c = stacked
-        return torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c))
-    return stacked.median(dim=0).values
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, numel: int) -> torch.Tensor:
+    """A float32 buffer of ``numel`` values, kept per thread and name for the next call (contents undefined)."""
+    buffers = _SCRATCH.__dict__.setdefault("buffers", {})
+    buffer = buffers.get(name)
+    if buffer is None or buffer.numel() < numel:
+        buffer = buffers[name] = torch.empty(numel, dtype=torch.float32)
+    return buffer[:numel]
+
+
+def _coordinate_median(rows: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """Coordinate-wise median of the rows, into ``out`` (for 3 rows, with min/max: several times faster than
+    torch.median)."""
+    if len(rows) == 3:
+        a, b, c = rows
+        low, high = _scratch("median_low", out.numel()), _scratch("median_high", out.numel())
+        torch.minimum(a, b, out=low)
+        torch.maximum(a, b, out=high)
+        torch.minimum(high, c, out=high)
+        return torch.maximum(low, high, out=out)
+    stacked = torch.stack(list(rows), out=_scratch("stacked", len(rows) * out.numel()).view(len(rows), -1))
+    return out.copy_(stacked.median(dim=0).values)
 
 
 def _weighted_median(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -23,8 +23,10 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
 from collections import defaultdict
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
@@ -36,6 +38,7 @@ from hivemind.utils.asyncio import as_aiter, azip
 
 from lightning_swarm.aggregation import (
     DEFAULT_CENTERED_CLIP_ITERS,
+    Refusal,
     aggregate_parts,
     check_aggregation_options,
     screen_contributions,
@@ -43,6 +46,32 @@ from lightning_swarm.aggregation import (
 from lightning_swarm.hivemind_ext.state import progress_key as run_progress_key
 
 log = logging.getLogger(__name__)
+
+
+_EXECUTOR: Tuple[int, Optional[ThreadPoolExecutor]] = (0, None)
+
+
+def aggregation_executor() -> ThreadPoolExecutor:
+    """This process's aggregation thread: one, so that parts are aggregated one at a time (each with torch's
+    threads) and never on hivemind's event loop, which meanwhile receives and sends the other parts (torch releases
+    the GIL). Made anew in a forked child, which does not inherit the parent's thread."""
+    global _EXECUTOR
+    pid, executor = _EXECUTOR
+    if executor is None or pid != os.getpid():
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_swarm_aggregation")
+        _EXECUTOR = (os.getpid(), executor)
+    return executor
+
+
+def screen_and_aggregate(parts: Sequence[Optional[torch.Tensor]], weights: Sequence[float],
+                         max_weights: Optional[Sequence[float]], aggregation: str, tau: Optional[float],
+                         iters: int) -> Tuple[Optional[torch.Tensor], List[Refusal]]:
+    """One part's group result from each sender's part and weight (None if no sender's contribution was accepted),
+    and the refusals (see :func:`lightning_swarm.aggregation.screen_contributions`)."""
+    accepted, accepted_weights, refusals = screen_contributions(parts, weights, max_weights)
+    if not accepted:
+        return None, refusals
+    return aggregate_parts([parts[i] for i in accepted], accepted_weights, aggregation, tau, iters), refusals
 
 
 class RobustTensorPartReducer(TensorPartReducer):
@@ -65,6 +94,8 @@ class RobustTensorPartReducer(TensorPartReducer):
         self.refusals: Dict[int, Dict[str, int]] = defaultdict(lambda: defaultdict(int))  # sender -> reason -> parts
         self._parts: List[Optional[torch.Tensor]] = [None] * num_senders
         self._weights: List[float] = [0.0] * num_senders
+        self._aggregations: Set[asyncio.Task] = set()  # parts being aggregated (kept referenced until done)
+        self._last_part_collected = False
         super().__init__(part_shapes, num_senders)
 
     def reset_accumulators(self):
@@ -104,19 +135,39 @@ class RobustTensorPartReducer(TensorPartReducer):
         return tensor_part if result is None else result
 
     def check_current_part_finished(self):
+        if self._last_part_collected:
+            return  # every part is in; the last one is being aggregated
         assert self.current_part_accumulated_from <= self.num_current_senders
         if self.current_part_accumulated_from == self.num_current_senders:
-            self.current_part_future.set_result(self._aggregate_current_part())
-            self.reset_accumulators()
+            last = self.current_part_index >= self.num_parts - 1
+            task = asyncio.create_task(self._aggregate_part(self.current_part_future, self._parts, self._weights, last))
+            self._aggregations.add(task)
+            task.add_done_callback(self._aggregations.discard)
+            if last:
+                self._last_part_collected = True  # finalize once its result is set
+            else:
+                self.reset_accumulators()  # the next part is collected while this one is aggregated
 
-    def _aggregate_current_part(self) -> Optional[torch.Tensor]:
-        accepted, weights, refusals = screen_contributions(self._parts, self._weights, self.max_weights)
-        for refusal in refusals:
-            self.refusals[refusal.sender][refusal.reason] += 1
-        if not accepted:
-            return None
-        return aggregate_parts([self._parts[i] for i in accepted], weights, self.aggregation,
-                               self.centered_clip_tau, self.centered_clip_iters)
+    async def _aggregate_part(self, future: asyncio.Future, parts: List[Optional[torch.Tensor]], weights: List[float],
+                              last: bool) -> None:
+        """Aggregate one part in the aggregation thread (the event loop keeps receiving and sending meanwhile), then
+        hand the result to the senders waiting on ``future``."""
+        try:
+            result, refusals = await asyncio.get_running_loop().run_in_executor(
+                aggregation_executor(), screen_and_aggregate, parts, weights, self.max_weights, self.aggregation,
+                self.centered_clip_tau, self.centered_clip_iters)
+            for refusal in refusals:
+                self.refusals[refusal.sender][refusal.reason] += 1
+            if not future.done():
+                future.set_result(result)
+        except BaseException as e:
+            if not future.done():
+                future.set_exception(e)
+            if not isinstance(e, Exception):
+                raise
+        finally:
+            if last:
+                self.finalize()
 
     def finalize(self):
         if not self.finished.is_set() and self.refusals:
