@@ -36,6 +36,8 @@ class LocalMetrics(pydantic.BaseModel):
     samples_accumulated: total samples this peer has contributed to the run so far
     mini_steps: local optimizer steps (batches) since the last report
     time: hivemind DHT time (``get_dht_time()``) when the record was made
+    token: in a run with an authority, the peer's access token (JSON, see ``lightning_swarm.auth.tokens``), so that
+        the monitor can name the user whose key signed the record; empty in an open run
     """
 
     step: pydantic.conint(ge=0, strict=True)
@@ -44,6 +46,7 @@ class LocalMetrics(pydantic.BaseModel):
     samples_accumulated: pydantic.conint(ge=0, strict=True)
     mini_steps: pydantic.conint(ge=0, strict=True)
     time: pydantic.StrictFloat
+    token: pydantic.StrictStr = ""
 
 
 class MetricSchema(pydantic.BaseModel):
@@ -141,7 +144,7 @@ class SwarmStats:
     def due(self, interval: float) -> bool:
         return time.perf_counter() - self._last_publish >= interval
 
-    def make_record(self, epoch: int, samples_per_second: float) -> swarm_metrics.LocalMetrics:
+    def make_record(self, epoch: int, samples_per_second: float, token: str = "") -> LocalMetrics:
         record = LocalMetrics(
             step=int(epoch),
             loss=float(self._loss_sum / max(self._mini_steps, 1)),
@@ -149,6 +152,7 @@ class SwarmStats:
             samples_accumulated=int(self.samples_contributed),
             mini_steps=int(self._mini_steps),
             time=float(get_dht_time()),
+            token=token,
         )
         self._loss_sum, self._mini_steps = 0.0, 0
         self._last_publish = time.perf_counter()

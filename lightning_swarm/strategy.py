@@ -449,7 +449,8 @@ class HivemindStrategy(SingleDeviceStrategy):
         return step_output
 
     def _publish_metrics(self) -> None:
-        record = self.stats.make_record(self.global_epoch, self._optimizer.tracker.performance_ema.samples_per_second)
+        record = self.stats.make_record(self.global_epoch, self._optimizer.tracker.performance_ema.samples_per_second,
+                                        token=self.swarm_auth.token_for_records() if self.swarm_auth else "")
         try:
             self._pending_publications = [f for f in self._pending_publications if not f.done()]
             self._pending_publications.append(swarm_metrics.publish_metrics(self._dht, self.run_id, record, wait=False))

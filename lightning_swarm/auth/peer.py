@@ -36,6 +36,7 @@ from lightning_swarm.auth.tokens import (
     parse_public_key,
     public_key_text,
     token_from_json,
+    token_to_json,
 )
 from lightning_swarm.auth.keys import use_as_process_key
 
@@ -189,3 +190,11 @@ class SwarmAuth:
     def check(self, token: Optional[AccessToken]):
         """Is another peer's token good for this run now? (a :class:`~lightning_swarm.auth.tokens.TokenCheck`)"""
         return check_token(token, self.authority_public_key, self.run_id)
+
+    def token_for_records(self) -> str:
+        """This peer's token as JSON, for its metrics records (the monitor names the user by it), or "" if it has
+        none now (the DHT's authorizer already says why, once a minute)."""
+        try:
+            return token_to_json(self.token())
+        except AuthError:
+            return ""

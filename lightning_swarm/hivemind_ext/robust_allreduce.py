@@ -8,7 +8,9 @@ average with weight 1e9, and one NaN (a part, a weight) poisons it for the whole
 - :class:`RobustTensorPartReducer` keeps every sender's part until all have arrived, screens them
   (:func:`lightning_swarm.aggregation.screen_contributions`: finite positive weight, at most the sender's bound,
   finite part) and aggregates what passed with the weighted mean or CenteredClip. Refused senders are named in one
-  log line per round.
+  log line per round. The screening and aggregation run in one aggregation thread per process, not on hivemind's
+  event loop: it goes on receiving and sending the other parts meanwhile (CenteredClip of one part takes several
+  times the mean's arithmetic, and a blocked loop stalls the whole round).
 - :class:`CheckedTensorPartContainer` refuses a non-finite result from a reducer: that slice keeps its local value
   (as hivemind does when a reducer fails), and the reducer is named in the log.
 - :class:`RobustAveraging` (a mixin for hivemind averagers) runs every round with these; subclasses give the

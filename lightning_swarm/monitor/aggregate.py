@@ -97,17 +97,18 @@ class RecordScreen:
     - ``epoch_beyond_swarm``: a global epoch more than one past the swarm's (as the progress tracker sees it);
     - ``samples_beyond_epochs``: more samples than the swarm's epochs hold (``(epoch + 2) * target_batch_size``:
       every epoch so far, the current one, and one epoch's worth of slack for overshoot).
-    - ``unauthenticated``: ``identify`` (if given) knows no user for the record's key.
+    - ``unauthenticated``: ``identify`` (if given) knows no user for the record.
 
     Args:
         target_batch_size: the run's samples per global epoch.
         max_clock_skew: seconds a record's time may be ahead of the monitor's.
-        identify: the authentication hook: maps a record's public key (the DHT subkey) to the user it was issued
-            to, or None to refuse the record. None (runs without an authority): every validly signed key counts.
+        identify: the authentication hook: maps (a record's public key, the DHT subkey; the record) to the user the
+            key was issued to, or None to refuse the record (e.g. :func:`~lightning_swarm.monitor.identity.token_identity`).
+            None (runs without an authority): every validly signed key counts.
     """
 
     def __init__(self, target_batch_size: int, max_clock_skew: float = MAX_CLOCK_SKEW_SECONDS,
-                 identify: Optional[Callable[[bytes], Optional[str]]] = None):
+                 identify: Optional[Callable[[bytes, LocalMetrics], Optional[str]]] = None):
         self.target_batch_size, self.max_clock_skew, self.identify = target_batch_size, max_clock_skew, identify
         self.refused: Counter = Counter()
         self.users: Dict[bytes, str] = {}  # public key -> user, for the keys ``identify`` accepted
@@ -124,7 +125,7 @@ class RecordScreen:
         if record.samples_accumulated > (max(swarm_epoch, record.step) + 2) * self.target_batch_size:
             return "samples_beyond_epochs"
         if self.identify is not None:
-            user = self.identify(key)
+            user = self.identify(key, record)
             if user is None:
                 return "unauthenticated"
             self.users[key] = user

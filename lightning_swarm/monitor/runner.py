@@ -14,8 +14,10 @@ from hivemind.utils import get_dht_time
 from lightning.pytorch.loggers import CSVLogger, Logger
 
 from lightning_swarm.checkpoint.saver import CheckpointSaver
+from lightning_swarm.metrics import LocalMetrics
 from lightning_swarm.monitor.aggregate import ContributionTable, RecordScreen, SwarmSnapshot, aggregate
 from lightning_swarm.monitor.dashboard import DashboardState
+from lightning_swarm.monitor.identity import token_identity
 from lightning_swarm.monitor.peer import MonitorPeer
 from lightning_swarm.monitor.samples import SampleRunner
 
@@ -73,8 +75,10 @@ class Monitor:
         revert_window: after a revert, keep announcing the reverted epoch for this many seconds.
         dashboard: receives every refresh's figures (served by :class:`~.dashboard.DashboardServer`).
         sampler: draws samples from every new checkpoint (for the dashboard).
-        identify: maps a metrics record's public key to its authenticated user, or None to keep the record out of
-            the figures and the contribution table (see :class:`RecordScreen`); None: every signed record counts.
+        identify: maps (a metrics record's public key, the record) to its authenticated user, or None to keep the
+            record out of the figures and the contribution table (see :class:`RecordScreen`). Default: in a run with
+            an authority (``peer.auth``), the user of the access token in the record
+            (:func:`~lightning_swarm.monitor.identity.token_identity`); in an open run every signed record counts.
     """
 
     def __init__(
@@ -88,7 +92,7 @@ class Monitor:
         revert_window: float = 300.0,
         dashboard: Optional[DashboardState] = None,
         sampler: Optional[SampleRunner] = None,
-        identify: Optional[Callable[[bytes], Optional[str]]] = None,
+        identify: Optional[Callable[[bytes, LocalMetrics], Optional[str]]] = None,
     ):
         if save_every_epochs < 1:
             raise ValueError(f"save_every_epochs must be >= 1, got {save_every_epochs}")
@@ -96,6 +100,8 @@ class Monitor:
         self.save_every_epochs, self.refresh_period, self.revert_window = save_every_epochs, refresh_period, revert_window
         self.dashboard, self.sampler = dashboard, sampler
         self.contributions = ContributionTable()
+        if identify is None and peer.auth is not None:
+            identify = token_identity(peer.auth)
         self.screen = RecordScreen(peer.target_batch_size, identify=identify)
         self.last_snapshot: Optional[SwarmSnapshot] = None
         self.last_saved_epoch = peer.epoch

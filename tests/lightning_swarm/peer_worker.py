@@ -69,15 +69,21 @@ class TinyRegression(pl.LightningModule):
         batch size 0), so tests can control exactly what each peer contributes.
     step_delay: seconds to sleep in each training step (to emulate a slower peer).
     overflow_at_batches: batch indices whose loss is multiplied by 1e8, so that its fp16 gradients overflow.
+    nan_at_batches: batch indices whose loss (and so every gradient) is NaN, as after a diverged step.
+    nan_parameters: start with a NaN in the first layer's weight (a peer whose state went bad).
     """
 
     def __init__(self, in_dim: int = 8, hidden: int = 32, lr: float = 0.1, lr_decay: float = 0.5,
                  momentum: float = 0.0, seed: int = 0, share_samples: int = 0, step_delay: float = 0.0,
-                 overflow_at_batches: tuple[int, ...] = ()):
+                 overflow_at_batches: tuple[int, ...] = (), nan_at_batches: tuple[int, ...] = (),
+                 nan_parameters: bool = False):
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(seed)
         self.net = torch.nn.Sequential(torch.nn.Linear(in_dim, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
+        if nan_parameters:
+            with torch.no_grad():
+                self.net[0].weight[0, 0] = float("nan")
         self.samples_seen = 0
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -88,6 +94,8 @@ class TinyRegression(pl.LightningModule):
         self.log("train/loss", loss, prog_bar=True)
         if batch_idx in self.hparams.overflow_at_batches:
             loss = loss * 1e8  # x the loss scale: far beyond float16's 65504 in the backward pass
+        if batch_idx in self.hparams.nan_at_batches:
+            loss = loss * float("nan")
         return loss
 
     def swarm_batch_size(self, batch: Any) -> int:

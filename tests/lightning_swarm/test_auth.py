@@ -310,6 +310,7 @@ def test_a_fake_revert_is_ignored_and_a_moderators_revert_is_followed(authority,
         monitor = Proc([sys.executable, "-m", "lightning_swarm.monitor", "--config", "cfg.yaml",
                         "--authority-key", authority["authority"], "--initial-peers", address,
                         "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity-path", "monitor.id", "--no-checkpoints",
+                        "--log-dir", str(tmp_path / "monitor_logs"),
                         "--refresh-period", "0.5", "--revert-to", good, "--revert-discovery-seconds", "5",
                         "--max-runtime", "200"], str(tmp_path / "monitor.log"), clean_env)
         processes.append(monitor)
@@ -324,6 +325,10 @@ def test_a_fake_revert_is_ignored_and_a_moderators_revert_is_followed(authority,
             60, "a trainer checkpoint after the revert")
         weights = after.model_state_dict()["mid.weight"]
         assert torch.all((weights - 0.25).abs() < 0.2), weights
+        # the monitor's contribution table names the trainer by its token's user (the attacker publishes no metrics)
+        contributions = tmp_path / "monitor_logs" / "contributions.json"
+        users = lambda: [row["user"] for row in json.loads(contributions.read_text())] if contributions.exists() else []
+        wait_for(lambda: users() == ["alice"] or None, 60, "the contribution table to name alice")
     finally:
         (tmp_path / "stop").touch()
         for process in processes:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -318,9 +319,46 @@ def test_record_screen_drops_and_counts_implausible_records():
 def test_record_screen_authentication_hook_keeps_unknown_keys_out_of_the_table():
     from lightning_swarm.monitor.aggregate import RecordScreen
 
-    screen = RecordScreen(target_batch_size=100, identify={b"alice_key": "alice"}.get)
+    screen = RecordScreen(target_batch_size=100, identify=lambda key, record: {b"alice_key": "alice"}.get(key))
     accepted = screen.screen({b"alice_key": record(), b"stranger": record()}, swarm_epoch=3, now=100.0)
     assert list(accepted) == [b"alice_key"] and screen.refused == {"unauthenticated": 1}
     table = ContributionTable()
     table.update(accepted, users=screen.users)
     assert [(row.peer, row.user) for row in table.sorted_rows()] == [(peer_name(b"alice_key"), "alice")]
+
+
+def test_token_identity_names_the_user_whose_token_is_for_the_key_that_signed_the_record():
+    """In a run with an authority, a metrics record's user is the one its token names, only if the authority signed
+    that token for this run, it is unexpired, and it is for the key that signed the record."""
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from lightning_swarm.auth.peer import SwarmAuth
+    from lightning_swarm.auth.tokens import issue_token, public_key_text, token_to_json
+    from lightning_swarm.monitor.aggregate import RecordScreen
+    from lightning_swarm.monitor.identity import token_identity
+
+    authority, stranger_authority = RSAPrivateKey(), RSAPrivateKey()
+    alice, bob = RSAPrivateKey(), RSAPrivateKey()
+    subkey = {user: b"[owner:" + key.get_public_key().to_bytes() + b"]" for user, key in (("alice", alice), ("bob", bob))}
+
+    def with_token(issuer, user, key, run_id="run", lifetime=3600.0):
+        token = issue_token(issuer, run_id, user, key.get_public_key(), lifetime)
+        return LocalMetrics(**dict(record().dict(), token=token_to_json(token)))
+
+    identify = token_identity(SwarmAuth("run", public_key_text(authority.get_public_key())))
+    alice_record = with_token(authority, "alice", alice)
+    assert identify(subkey["alice"], alice_record) == "alice"
+    assert identify(subkey["bob"], alice_record) is None  # alice's token copied into a record bob signed
+    assert identify(subkey["bob"], record()) is None  # no token
+    assert identify(subkey["bob"], LocalMetrics(**dict(record().dict(), token="{not json"))) is None
+    assert identify(subkey["bob"], with_token(stranger_authority, "bob", bob)) is None  # another authority
+    assert identify(subkey["bob"], with_token(authority, "bob", bob, run_id="other")) is None  # another run
+    expired = with_token(authority, "bob", bob, lifetime=1e-3)
+    time.sleep(0.01)
+    assert identify(subkey["bob"], expired) is None
+
+    screen = RecordScreen(target_batch_size=100, identify=identify)
+    accepted = screen.screen({subkey["alice"]: alice_record, subkey["bob"]: expired}, swarm_epoch=3, now=100.0)
+    table = ContributionTable()
+    table.update(accepted, users=screen.users)
+    assert [row.user for row in table.sorted_rows()] == ["alice"] and screen.refused == {"unauthenticated": 1}
