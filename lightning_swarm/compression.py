@@ -48,6 +48,7 @@ from hivemind.compression import (
 from hivemind.compression.adaptive import AdaptiveCompressionBase
 from hivemind.proto import runtime_pb2
 
+from lightning_swarm.aggregation import all_finite
 from lightning_swarm.hivemind_ext.codecs import register_decoders
 
 # hivemind's BLOCKWISE_8BIT decoder hard-codes this block size; keeping it makes messages interoperable
@@ -170,7 +171,7 @@ class Blockwise8BitQuantization(CompressionBase):
         requires_grad = tensor.requires_grad
         dtype_name = str(tensor.dtype).replace("torch.", "")
         flat = tensor.detach().reshape(-1).to(torch.float32).contiguous()
-        if not bool(torch.isfinite(flat).all()):
+        if not all_finite(flat):
             # a NaN/Inf would become its block's absmax and turn all 4096 values of the block into NaN: send it as 0
             flat = torch.nan_to_num(flat, nan=0.0, posinf=0.0, neginf=0.0)
         code = self.choose_codebook(flat)

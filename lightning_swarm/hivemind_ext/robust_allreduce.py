@@ -42,6 +42,7 @@ from lightning_swarm.aggregation import (
     DEFAULT_CENTERED_CLIP_ITERS,
     Refusal,
     aggregate_parts,
+    all_finite,
     check_aggregation_options,
     screen_contributions,
 )
@@ -193,7 +194,7 @@ class CheckedTensorPartContainer(TensorPartContainer):
         self.refused_parts_by_peer = [0] * self.group_size
 
     def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor):
-        if not bool(torch.isfinite(part).all()):
+        if not all_finite(part):  # on the event loop: the fast check
             self.refused_parts_by_peer[peer_index] += 1
             local_part = self._input_parts_by_peer[peer_index][part_index][0]
             part = torch.zeros_like(local_part) if self.return_deltas else local_part

@@ -4,12 +4,18 @@
    a hivemind DecentralizedAverager in its own process, with the swarm's default wire codec (8-bit): hivemind's own
    all-reduce, our screened weighted mean (aggregation="mean") and CenteredClip (aggregation="centered_clip"), in
    interleaved repeats. Timed from the moment the group is formed (matchmaking excluded) to the peer's last update;
-   a round's time is its slowest peer's.
-2. attacks: the honest peers' validation loss in a 3-peer HivemindStrategy swarm (tests/lightning_swarm/byzantine.py:
+   a round's time is its slowest peer's. Also the CPU seconds the 3 peers used per round (each with its DHT,
+   averager and p2p daemon processes; matchmaking included): a figure that other load on a shared machine inflates
+   far less than wall time.
+2. part: the arithmetic alone, in this process with 1 torch thread: screening + weighted mean and screening +
+   CenteredClip of one all-reduce part (3 senders x 524,288 float32 values, the part size of a 25M-parameter round
+   with the 8-bit codec), median of 30 calls each, in CPU time of the calling thread (less sensitive than wall time to
+   other processes on a shared machine).
+3. attacks: the honest peers' validation loss in a 3-peer HivemindStrategy swarm (tests/lightning_swarm/byzantine.py:
    tiny regression, 4 global epochs) without an attacker and with a third peer that sends gradients x1e3, NaN
    gradients, or claims weight 1e9 with negated gradients; each with aggregation="mean" and "centered_clip".
 
-Run: python tests/benchmarks/bench_robust_averaging.py [round|attacks|all]
+Run: python tests/benchmarks/bench_robust_averaging.py [round|part|attacks|all]
      BENCH_REPEATS=5 BENCH_ROUNDS=3 python tests/benchmarks/bench_robust_averaging.py round   (5 x 3 rounds each)
      BENCH_AGGREGATIONS=mean python tests/benchmarks/bench_robust_averaging.py attacks
 The machine is shared (2 cores, 3 peers): say what else ran when quoting the figures.
@@ -33,7 +39,8 @@ VARIANTS = ("hivemind", "mean", "centered_clip")
 
 
 def round_peer(variant: str, initial_peer: str, rounds: int) -> None:
-    """One peer of the round benchmark (run in its own process); prints RESULT [seconds per round]."""
+    """One peer of the round benchmark (run in its own process); prints RESULT {"times": [seconds per round],
+    "cpu": CPU seconds of this peer's process tree over all rounds}."""
     import torch
     import hivemind
     from hivemind.averaging import DecentralizedAverager
@@ -58,7 +65,10 @@ def round_peer(variant: str, initial_peer: str, rounds: int) -> None:
         averager = DecentralizedAverager(tensors, **options)
     else:
         averager = ScreenedAverager(tensors, aggregation=variant, **options)
-    times = []
+    sys.path.insert(0, str(TESTS))
+    from peer_worker import cpu_seconds
+
+    times, cpu_start = [], sum(cpu_seconds().values())
     for _ in range(rounds):
         control = averager.step(wait=False, require_trigger=True, timeout=120)
         while control.stage != AveragingStage.AWAITING_TRIGGER and not control.done():
@@ -67,14 +77,15 @@ def round_peer(variant: str, initial_peer: str, rounds: int) -> None:
         control.allow_allreduce()
         control.result()
         times.append(time.perf_counter() - start)
-    print("RESULT", json.dumps(times), flush=True)
+    print("RESULT", json.dumps({"times": times, "cpu": sum(cpu_seconds().values()) - cpu_start}), flush=True)
     time.sleep(2)  # let the groupmates finish receiving before this peer leaves
     averager.shutdown()
     dht.shutdown()
 
 
-def run_round_group(variant: str, rounds: int) -> list:
-    """Start NUM_PEERS round peers of ``variant``; return each round's time (slowest peer)."""
+def run_round_group(variant: str, rounds: int) -> tuple:
+    """Start NUM_PEERS round peers of ``variant``; return each round's time (slowest peer) and the CPU seconds per
+    round of all peers together."""
     command = [sys.executable, __file__, "_round_peer", variant]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     first = subprocess.Popen(command + ["", str(rounds)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
@@ -89,7 +100,8 @@ def run_round_group(variant: str, rounds: int) -> list:
             output, _ = process.communicate(timeout=600)
             line = next(line for line in output.splitlines() if line.startswith("RESULT"))
             results.append(json.loads(line.split(" ", 1)[1]))
-        return [max(times) for times in zip(*results)]
+        return ([max(times) for times in zip(*(result["times"] for result in results))],
+                sum(result["cpu"] for result in results) / rounds)
     finally:
         for process in [first] + others:
             if process.poll() is None:
@@ -98,10 +110,12 @@ def run_round_group(variant: str, rounds: int) -> list:
 
 def bench_round() -> None:
     repeats, rounds = int(os.environ.get("BENCH_REPEATS", "3")), int(os.environ.get("BENCH_ROUNDS", "3"))
-    times = {variant: [] for variant in VARIANTS}
+    times, cpu = {variant: [] for variant in VARIANTS}, {variant: [] for variant in VARIANTS}
     for _ in range(repeats):
         for variant in VARIANTS:  # interleaved, so that a change of machine load hits every variant
-            times[variant] += run_round_group(variant, rounds)
+            round_times, round_cpu = run_round_group(variant, rounds)
+            times[variant] += round_times
+            cpu[variant].append(round_cpu)
     medians = {variant: statistics.median(values) for variant, values in times.items()}
     print(f"\nall-reduce round, 25M float32 parameters, {NUM_PEERS} peers on 127.0.0.1, 8-bit codec, "
           f"{repeats} x {rounds} rounds each (median; slowest peer of each round)")
@@ -109,6 +123,34 @@ def bench_round() -> None:
         print(f"  {variant:>14}: {medians[variant]:.2f} s  (min {min(times[variant]):.2f}, max {max(times[variant]):.2f})"
               f"  x{medians[variant] / medians['hivemind']:.2f} of hivemind's")
     print(f"  centered_clip / mean: x{medians['centered_clip'] / medians['mean']:.2f}")
+    cpu_medians = {variant: statistics.median(values) for variant, values in cpu.items()}
+    print("CPU seconds per round, 3 peers together (median of the repeats): " + ", ".join(
+        f"{variant} {cpu_medians[variant]:.2f}" for variant in VARIANTS)
+          + f"; centered_clip / mean: x{cpu_medians['centered_clip'] / cpu_medians['mean']:.2f}")
+
+
+def bench_part() -> None:
+    import torch
+
+    from lightning_swarm.hivemind_ext.robust_allreduce import screen_and_aggregate
+
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+    common = torch.randn(524_288, generator=generator)
+    parts = [common + 0.5 * torch.randn(524_288, generator=generator) for _ in range(NUM_PEERS)]
+    weights = [1.0] * NUM_PEERS
+    medians = {}
+    for aggregation in ("mean", "centered_clip"):
+        screen_and_aggregate(parts, weights, None, aggregation, None, 20)  # warm-up
+        times = []
+        for _ in range(30):
+            start = time.thread_time()
+            screen_and_aggregate(parts, weights, None, aggregation, None, 20)
+            times.append(time.thread_time() - start)
+        medians[aggregation] = statistics.median(times)
+    print(f"\none part ({NUM_PEERS} x 524,288 float32), screening + aggregation, 1 thread, CPU time, median of 30: "
+          f"mean {medians['mean'] * 1e3:.2f} ms, centered_clip {medians['centered_clip'] * 1e3:.2f} ms "
+          f"(x{medians['centered_clip'] / medians['mean']:.1f})")
 
 
 def bench_attacks() -> None:
@@ -139,5 +181,7 @@ if __name__ == "__main__":
     which = sys.argv[1] if len(sys.argv) > 1 else "all"
     if which in ("round", "all"):
         bench_round()
+    if which in ("part", "all"):
+        bench_part()
     if which in ("attacks", "all"):
         bench_attacks()
