@@ -253,7 +253,7 @@ def _filled_checkpoint(root, value, epoch):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_a_fake_revert_is_ignored_and_a_moderators_revert_is_followed(authority, tmp_path):
     import re
 
