@@ -14,7 +14,10 @@
    by the peer's training thread and by everything else it runs (DHT, averagers, p2p daemon, other threads), and
    samples per CPU second of the training thread (lower when it shares caches and cores with busy neighbours).
 
-Run: python tests/benchmarks/bench_swarm.py [averaging|throughput|all]
+3. peers: one swarm of 1, 2, 4 peers (BENCH_PEER_COUNTS) on 127.0.0.1: each peer's samples/s and the CPU its swarm
+   work takes (everything but its training thread), per second and per global epoch.
+
+Run: python tests/benchmarks/bench_swarm.py [averaging|throughput|all|peers]
      BENCH_AVERAGE_STATE_EVERY=4 python tests/benchmarks/bench_swarm.py throughput   (state averaging every 4 epochs)
      BENCH_TARGET=16384 BENCH_SECONDS=60 BENCH_WARMUP=15 python tests/benchmarks/bench_swarm.py throughput  (~4 s epochs)
      BENCH_MATCHMAKING_TIME=1.0 python tests/benchmarks/bench_swarm.py throughput     (matchmaking_time, default 2 s)
@@ -124,6 +127,7 @@ PIN = os.environ.get("BENCH_PIN", "0") == "1"  # peer i and all its processes on
 MATCHMAKING_TIME = float(os.environ.get("BENCH_MATCHMAKING_TIME", "2.0"))
 AVERAGE_STATE_EVERY = int(os.environ.get("BENCH_AVERAGE_STATE_EVERY", "1"))
 REPEATS = int(os.environ.get("BENCH_REPEATS", "1"))  # alone / alone x2 / swarm, interleaved, this many times
+PEER_COUNTS = [int(n) for n in os.environ.get("BENCH_PEER_COUNTS", "1,2,4").split(",")]  # mode "peers"
 MODEL = {"in_dim": 1024, "hidden": 4096, "lr": 0.01, "lr_decay": 1.0}  # peer_worker.TinyRegression's MLP
 DATA = {"batch_size": 64, "in_dim": 1024, "num_samples": 30_000}
 
@@ -171,6 +175,7 @@ def _run_peers(root: Path, specs: list, seconds: float, join: bool) -> list[Peer
         cpu = dict(main=(end["cpu_main"] - warm["cpu_main"]) / seconds,  # cores used by the training thread
                    background=(end["cpu_background"] - warm["cpu_background"]) / seconds,  # by all the rest
                    per_main_second=(end["samples"] - warm["samples"]) / (end["cpu_main"] - warm["cpu_main"]))
+        cpu.update(steady_seconds=seconds, steady_epochs=end["epoch"] - warm["epoch"])
         results.append(PeerResult(end["samples"] / end["elapsed"], steady, end["epoch"], cpu))
     return results
 
@@ -222,6 +227,25 @@ def bench_throughput(seconds: float = SECONDS, repeats: int = REPEATS) -> None:
               + " ".join(f"{r:.2f}" for r in ratios_x2[name]) + f" (median {statistics.median(ratios_x2[name]):.2f})", flush=True)
 
 
+def bench_peers(seconds: float = SECONDS) -> None:
+    """N peers of one swarm on 127.0.0.1 (N in BENCH_PEER_COUNTS): what each peer's swarm work costs it, i.e. the CPU
+    of everything but its training thread (DHT, averagers, p2p daemon), per second and per global epoch."""
+    print(f"== peers: one swarm of N peers on 127.0.0.1, the MLP of 'throughput', target_batch_size {TARGET}, "
+          f"{seconds:.0f} s per run, steady state from {WARMUP:.0f} s; load average at start {os.getloadavg()[0]:.1f}")
+    print("   N  peer   samples/s steady  global epochs (steady)  background core  background CPU s per epoch")
+    with tempfile.TemporaryDirectory() as tmp:
+        for count in PEER_COUNTS:
+            specs = [(f"peer{i}", f"bench_peers_{count}", 30_000 * i) for i in range(count)]
+            results = _run_peers(Path(tmp) / f"n{count}", specs, seconds, join=count > 1)
+            for index, result in enumerate(results):
+                cpu = result.cpu
+                per_epoch = cpu["background"] * cpu["steady_seconds"] / cpu["steady_epochs"] \
+                    if cpu["steady_epochs"] else float("nan")
+                print(f"  {count:2d}  {index:4d}  {result.steady:16.1f}  {result.epochs:6d} ({cpu['steady_epochs']:3d})"
+                      f"           {cpu['background']:15.3f}  {per_epoch:26.2f}", flush=True)
+            print(f"  {count:2d}  all   {sum(result.steady for result in results):16.1f}  (swarm samples/s)", flush=True)
+
+
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "all"
     if mode == "averaging-peer":
@@ -231,3 +255,5 @@ if __name__ == "__main__":
             bench_averaging()
         if mode in ("throughput", "all"):
             bench_throughput()
+        if mode == "peers":
+            bench_peers()
