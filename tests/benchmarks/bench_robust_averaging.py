@@ -4,9 +4,7 @@
    a hivemind DecentralizedAverager in its own process, with the swarm's default wire codec (8-bit): hivemind's own
    all-reduce, our screened weighted mean (aggregation="mean") and CenteredClip (aggregation="centered_clip"), in
    interleaved repeats. Timed from the moment the group is formed (matchmaking excluded) to the peer's last update;
-   a round's time is its slowest peer's. Also the CPU seconds the 3 peers used per round (each with its DHT,
-   averager and p2p daemon processes; matchmaking included): a figure that other load on a shared machine inflates
-   far less than wall time.
+   a round's time is its slowest peer's.
 2. part: the arithmetic alone, in this process with 1 torch thread: screening + weighted mean and screening +
    CenteredClip of one all-reduce part (3 senders x 524,288 float32 values, the part size of a 25M-parameter round
    with the 8-bit codec), median of 30 calls each, in CPU time of the calling thread (less sensitive than wall time to
@@ -39,8 +37,7 @@ VARIANTS = ("hivemind", "mean", "centered_clip")
 
 
 def round_peer(variant: str, initial_peer: str, rounds: int) -> None:
-    """One peer of the round benchmark (run in its own process); prints RESULT {"times": [seconds per round],
-    "cpu": CPU seconds of this peer's process tree over all rounds}."""
+    """One peer of the round benchmark (run in its own process); prints RESULT [seconds per round]."""
     import torch
     import hivemind
     from hivemind.averaging import DecentralizedAverager
@@ -65,10 +62,7 @@ def round_peer(variant: str, initial_peer: str, rounds: int) -> None:
         averager = DecentralizedAverager(tensors, **options)
     else:
         averager = ScreenedAverager(tensors, aggregation=variant, **options)
-    sys.path.insert(0, str(TESTS))
-    from peer_worker import cpu_seconds
-
-    times, cpu_start = [], sum(cpu_seconds().values())
+    times = []
     for _ in range(rounds):
         control = averager.step(wait=False, require_trigger=True, timeout=120)
         while control.stage != AveragingStage.AWAITING_TRIGGER and not control.done():
@@ -77,15 +71,14 @@ def round_peer(variant: str, initial_peer: str, rounds: int) -> None:
         control.allow_allreduce()
         control.result()
         times.append(time.perf_counter() - start)
-    print("RESULT", json.dumps({"times": times, "cpu": sum(cpu_seconds().values()) - cpu_start}), flush=True)
+    print("RESULT", json.dumps(times), flush=True)
     time.sleep(2)  # let the groupmates finish receiving before this peer leaves
     averager.shutdown()
     dht.shutdown()
 
 
-def run_round_group(variant: str, rounds: int) -> tuple:
-    """Start NUM_PEERS round peers of ``variant``; return each round's time (slowest peer) and the CPU seconds per
-    round of all peers together."""
+def run_round_group(variant: str, rounds: int) -> list:
+    """Start NUM_PEERS round peers of ``variant``; return each round's time (slowest peer)."""
     command = [sys.executable, __file__, "_round_peer", variant]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     first = subprocess.Popen(command + ["", str(rounds)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
@@ -100,8 +93,7 @@ def run_round_group(variant: str, rounds: int) -> tuple:
             output, _ = process.communicate(timeout=600)
             line = next(line for line in output.splitlines() if line.startswith("RESULT"))
             results.append(json.loads(line.split(" ", 1)[1]))
-        return ([max(times) for times in zip(*(result["times"] for result in results))],
-                sum(result["cpu"] for result in results) / rounds)
+        return [max(times) for times in zip(*results)]
     finally:
         for process in [first] + others:
             if process.poll() is None:
@@ -110,12 +102,10 @@ def run_round_group(variant: str, rounds: int) -> tuple:
 
 def bench_round() -> None:
     repeats, rounds = int(os.environ.get("BENCH_REPEATS", "3")), int(os.environ.get("BENCH_ROUNDS", "3"))
-    times, cpu = {variant: [] for variant in VARIANTS}, {variant: [] for variant in VARIANTS}
+    times = {variant: [] for variant in VARIANTS}
     for _ in range(repeats):
         for variant in VARIANTS:  # interleaved, so that a change of machine load hits every variant
-            round_times, round_cpu = run_round_group(variant, rounds)
-            times[variant] += round_times
-            cpu[variant].append(round_cpu)
+            times[variant] += run_round_group(variant, rounds)
     medians = {variant: statistics.median(values) for variant, values in times.items()}
     print(f"\nall-reduce round, 25M float32 parameters, {NUM_PEERS} peers on 127.0.0.1, 8-bit codec, "
           f"{repeats} x {rounds} rounds each (median; slowest peer of each round)")
@@ -123,10 +113,6 @@ def bench_round() -> None:
         print(f"  {variant:>14}: {medians[variant]:.2f} s  (min {min(times[variant]):.2f}, max {max(times[variant]):.2f})"
               f"  x{medians[variant] / medians['hivemind']:.2f} of hivemind's")
     print(f"  centered_clip / mean: x{medians['centered_clip'] / medians['mean']:.2f}")
-    cpu_medians = {variant: statistics.median(values) for variant, values in cpu.items()}
-    print("CPU seconds per round, 3 peers together (median of the repeats): " + ", ".join(
-        f"{variant} {cpu_medians[variant]:.2f}" for variant in VARIANTS)
-          + f"; centered_clip / mean: x{cpu_medians['centered_clip'] / cpu_medians['mean']:.2f}")
 
 
 def bench_part() -> None:
