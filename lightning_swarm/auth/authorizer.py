@@ -23,9 +23,9 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import AuthorizedRequestBase, AuthorizedResponseBase, TokenAuthorizerBase
 
-from lightning_swarm.auth.logs import RateLimitedLog
 from lightning_swarm.auth.peer import SwarmAuth
 from lightning_swarm.auth.tokens import AuthError
+from lightning_swarm.logs import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class SwarmAuthorizer(TokenAuthorizerBase):
     def __init__(self, auth: SwarmAuth):
         super().__init__(local_private_key=auth.private_key)
         self.auth = auth
-        self._log = RateLimitedLog()
+        self._log = RateLimitedLog(logger)
 
     async def get_token(self) -> AccessToken:
         try:
@@ -93,7 +93,7 @@ class OwnerIsRequesterValidator(RecordValidatorBase):
     """
 
     def __init__(self):
-        self._log = RateLimitedLog()
+        self._log = RateLimitedLog(logger)
 
     def validate(self, record: DHTRecord) -> bool:
         requester = _requester_key.get()

@@ -26,9 +26,11 @@ from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.timed_storage import get_dht_time
 
+from lightning_swarm.auth.revert import RevertOrder, fetch_revert_order
 from lightning_swarm.auth.service import request_bytes
 from lightning_swarm.auth.tokens import (
     AuthError,
+    TokenCheck,
     check_token,
     expiration_timestamp,
     issue_token,
@@ -38,7 +40,7 @@ from lightning_swarm.auth.tokens import (
     token_from_json,
     token_to_json,
 )
-from lightning_swarm.auth.keys import use_as_process_key
+from lightning_swarm.hivemind_ext.keys import use_as_process_key
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +64,13 @@ def resolve_auth_settings(auth: Optional[Dict[str, str]]) -> Dict[str, str]:
     return settings
 
 
+def _join_bytes(prefix: str, peer_id: bytes) -> bytes:
+    return b"\n".join([b"lightning-swarm-join/v1", prefix.encode(), peer_id])
+
+
 class SwarmAuth:
-    """This peer's credentials in a run with an authority, and the checks every peer makes of the others.
+    """This peer's credentials in a run with an authority, and the checks every peer makes of the others (the
+    :class:`~lightning_swarm.hivemind_ext.credentials.PeerCredentials` the averagers' guards call).
 
     Args:
         run_id: the run.
@@ -198,3 +205,32 @@ class SwarmAuth:
             return token_to_json(self.token())
         except AuthError:
             return ""
+
+    # ------------------------------------------------------------------------------------------- averaging
+
+    def join_proof(self, prefix: str, peer_id: bytes) -> dict:
+        """This peer's proof for the members of an averaging group of ``prefix``: its token, and a signature by the
+        token's key over ``prefix`` and this peer's libp2p id ``peer_id``; AuthError if it has no valid token."""
+        token = self.token()
+        return dict(token=token_to_json(token), signature=self.private_key.sign(_join_bytes(prefix, peer_id)))
+
+    def check_join_proof(self, proof, prefix: str, peer_id: bytes) -> TokenCheck:
+        """Does ``proof`` (anything a peer sent; None if it sent none) admit peer ``peer_id`` to a group of
+        ``prefix``: a valid token, signed over the prefix and that peer id by the token's key?"""
+        if not isinstance(proof, dict):
+            return TokenCheck(False, "no access token")
+        try:
+            token = token_from_json(proof["token"])
+            signature = proof["signature"]
+        except (KeyError, TypeError, ValueError):
+            return TokenCheck(False, "a malformed join proof")
+        verdict = self.check(token)
+        if not verdict.ok:
+            return verdict
+        if not RSAPublicKey.from_bytes(token.public_key).verify(_join_bytes(prefix, peer_id), signature):
+            return TokenCheck(False, f"a join proof of {token.username!r} not signed for this peer id")
+        return TokenCheck(True, token.username)
+
+    def revert_order(self, dht) -> Optional[RevertOrder]:
+        """The run's newest valid revert order in ``dht`` (a hivemind.DHT), or None."""
+        return fetch_revert_order(dht, self.run_id, self.authority_public_key)

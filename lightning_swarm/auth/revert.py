@@ -17,10 +17,10 @@ import hivemind
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.timed_storage import get_dht_time
 
-from lightning_swarm.auth.logs import RateLimitedLog
+from lightning_swarm.logs import RateLimitedLog
 
 logger = logging.getLogger(__name__)
-_refusals = RateLimitedLog(period=300.0, target=logger)
+_refusals = RateLimitedLog(logger, period=300.0)
 
 
 def revert_key(run_id: str) -> str:

@@ -19,12 +19,13 @@ from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.timed_storage import get_dht_time
 
-from lightning_swarm.auth.keys import private_key_from_pem, private_key_to_pem
+from lightning_swarm.hivemind_ext.credentials import CredentialsError
+from lightning_swarm.hivemind_ext.keys import private_key_from_pem, private_key_to_pem
 
 USERNAME_PATTERN = re.compile(r"[A-Za-z0-9_.@+\-]{1,64}")
 
 
-class AuthError(PermissionError):
+class AuthError(CredentialsError):
     """This peer cannot take part in the run: no, expired or refused token (the message says which)."""
 
 

@@ -51,13 +51,14 @@ Every private name used is listed in :data:`~lightning_swarm.hivemind_ext.privat
       calls the donor, ``serializer`` decodes the metadata.
     - ``DecentralizedAverager._averaged_tensors``, ``TrainingStateAverager.main_parameters`` and
       ``TrainingStateAverager.extra_tensors``: the shapes the downloaded tensors must have.
-``auth_guards`` (authentication where hivemind has no hook, see docs/security.md)
+``auth_guards`` (authentication where hivemind has no hook, see docs/security.md; it calls the run's credentials
+through ``credentials.PeerCredentials``, so this package never imports ``lightning_swarm.auth``, which builds on it)
     - ``DecentralizedAverager._step``: overridden to put this peer's join proof into ``StepControl._data_for_gather``.
     - ``DecentralizedAverager._aggregate_with_group``: overridden to check every group member's proof first.
     - (``state_download``'s donor list, ``_donors``, is filtered to plausible donors: our own code, not hivemind's.)
     - ``ProgressTracker._parse_swarm_progress_data`` (as ``tracker``): drops epoch claims no peer confirms.
-``auth.keys`` (RSA keys in hivemind's classes; the one private-API module outside this package: ``auth`` needs it
-and ``auth_guards`` here needs ``auth``, so keeping it here would make the two packages import each other)
+``credentials`` (what ``auth_guards`` and ``optimizer`` call on the run's credentials): no hivemind name.
+``keys`` (RSA keys in hivemind's classes, for ``lightning_swarm.auth``)
     - ``RSAPrivateKey._private_key``: loaded from and written to PEM files (hivemind has no loader).
     - ``RSAPrivateKey._process_wide_key`` and ``RSAPrivateKey._process_wide_key_lock``: the key an offline token was
       issued for becomes the key the process signs with.

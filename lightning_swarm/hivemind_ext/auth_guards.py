@@ -2,12 +2,13 @@
 
 hivemind's ``authorizer`` covers DHT RPCs only. Its averagers talk over their own p2p streams without any check,
 and a peer trusts the epoch any progress record claims and the state-sharing priority any peer declares. In a run
-with an authority (a :class:`~lightning_swarm.auth.peer.SwarmAuth`):
+with an authority (a :class:`~lightning_swarm.hivemind_ext.credentials.PeerCredentials`, e.g.
+:class:`~lightning_swarm.auth.peer.SwarmAuth`):
 
 - :class:`AuthenticatedAveraging` (mixin for hivemind averagers) adds a *join proof* to the data every group
-  member sends (the token, and a signature by the token's key over the averager prefix and the member's libp2p
-  id, which libp2p authenticates). A leader refuses join requests without a valid proof, and every member checks
-  all proofs of the assembled group before sending a byte of its tensors.
+  member sends (with SwarmAuth: the token, and a signature by the token's key over the averager prefix and the
+  member's libp2p id, which libp2p authenticates). A leader refuses join requests without a valid proof, and
+  every member checks all proofs of the assembled group before sending a byte of its tensors.
 - the same mixin downloads state only from plausible peers (:func:`plausible_sources`), or from the peer a
   moderator's revert order names (it orders the donors of
   :class:`~lightning_swarm.hivemind_ext.state_download.VerifiedStateDownload`, which must follow it in the bases).
@@ -22,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import AsyncIterator, Dict, Hashable, List, Optional
+from typing import AsyncIterator, Dict, Hashable, List, Optional, Tuple
 
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
@@ -32,10 +33,8 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
 
-from lightning_swarm.auth.logs import RateLimitedLog
-from lightning_swarm.auth.peer import SwarmAuth
-from lightning_swarm.auth.revert import RevertOrder, fetch_revert_order
-from lightning_swarm.auth.tokens import AuthError, TokenCheck, token_from_json, token_to_json
+from lightning_swarm.hivemind_ext.credentials import CredentialsError, PeerCredentials, RevertOrder, Verdict
+from lightning_swarm.logs import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
@@ -71,33 +70,6 @@ def plausible_sources(priorities: Dict[Hashable, float]) -> Dict[Hashable, float
             if any(other >= value - 1 for k, other in priorities.items() if k != key)}
 
 
-def _join_bytes(prefix: str, peer_id: bytes) -> bytes:
-    return b"\n".join([b"lightning-swarm-join/v1", prefix.encode(), peer_id])
-
-
-def make_join_proof(auth: SwarmAuth, prefix: str, peer_id: bytes) -> dict:
-    token = auth.token()
-    return dict(token=token_to_json(token), signature=auth.private_key.sign(_join_bytes(prefix, peer_id)))
-
-
-def check_join_proof(auth: SwarmAuth, proof, prefix: str, peer_id: bytes) -> TokenCheck:
-    if not isinstance(proof, dict):
-        return TokenCheck(False, "no access token")
-    try:
-        token = token_from_json(proof["token"])
-        signature = proof["signature"]
-    except (KeyError, TypeError, ValueError):
-        return TokenCheck(False, "a malformed join proof")
-    verdict = auth.check(token)
-    if not verdict.ok:
-        return verdict
-    from hivemind.utils.crypto import RSAPublicKey
-
-    if not RSAPublicKey.from_bytes(token.public_key).verify(_join_bytes(prefix, peer_id), signature):
-        return TokenCheck(False, f"a join proof of {token.username!r} not signed for this peer id")
-    return TokenCheck(True, token.username)
-
-
 # ----------------------------------------------------------------------------------------------- averagers
 
 
@@ -105,13 +77,14 @@ class AuthenticatedAveraging:
     """Mixin for hivemind averager classes (before them in the bases): see the module docstring.
 
     Args:
-        swarm_auth: this peer's credentials; None (an open run) leaves the averager exactly as hivemind's.
+        swarm_auth: this peer's credentials (a PeerCredentials); None (an open run) leaves the averager exactly as
+            hivemind's.
         *args, **kwargs: as the averager class.
     """
 
-    def __init__(self, *args, swarm_auth: Optional[SwarmAuth] = None, **kwargs):
+    def __init__(self, *args, swarm_auth: Optional[PeerCredentials] = None, **kwargs):
         self.swarm_auth = swarm_auth
-        self._auth_log = RateLimitedLog()
+        self._auth_log = RateLimitedLog(logger)
         super().__init__(*args, **kwargs)
 
     # -- what this peer sends: its join proof inside the gathered data
@@ -119,8 +92,8 @@ class AuthenticatedAveraging:
         if self.swarm_auth is not None:
             try:
                 proof = await asyncio.get_running_loop().run_in_executor(
-                    None, make_join_proof, self.swarm_auth, self.prefix, self.peer_id.to_bytes())
-            except AuthError as e:
+                    None, self.swarm_auth.join_proof, self.prefix, self.peer_id.to_bytes())
+            except CredentialsError as e:
                 self._auth_log(logging.ERROR, f"{e}; averaging without a token (peers will refuse this peer)")
                 proof = None
             bandwidth, mode, user_bytes = self.serializer.loads(step.data_for_gather)
@@ -128,15 +101,15 @@ class AuthenticatedAveraging:
             step._data_for_gather = self.serializer.dumps([bandwidth, mode, wrapped])
         return await super()._step(step=step, future_for_init=future_for_init)
 
-    def _check_member(self, gathered: bytes, peer_id: PeerID) -> tuple:
-        """(TokenCheck, the member's own gathered bytes without the proof)."""
+    def _check_member(self, gathered: bytes, peer_id: PeerID) -> Tuple[Verdict, bytes]:
+        """(the verdict on the member's proof, the member's own gathered bytes without the proof)."""
         try:
             bandwidth, mode, user_bytes = self.serializer.loads(gathered)
             wrapped = self.serializer.loads(user_bytes)
             proof, inner = wrapped[PROOF_FIELD], wrapped["gather"]
-        except Exception:
-            return TokenCheck(False, "no access token"), gathered
-        verdict = check_join_proof(self.swarm_auth, proof, self.prefix, peer_id.to_bytes())
+        except Exception:  # no proof inside: checked as None (refused)
+            return self.swarm_auth.check_join_proof(None, self.prefix, peer_id.to_bytes()), gathered
+        verdict = self.swarm_auth.check_join_proof(proof, self.prefix, peer_id.to_bytes())
         return verdict, self.serializer.dumps([bandwidth, mode, inner])
 
     # -- leaders: refuse followers without a proof
@@ -181,7 +154,7 @@ class AuthenticatedAveraging:
         for peer in set(peer_priority) - set(kept):
             self._auth_log(logging.WARNING, f"[lightning_swarm] ignored state source {peer}: it claims epoch "
                                             f"{peer_priority[peer]:g}, which no other peer confirms")
-        order = fetch_revert_order(self.dht, self.swarm_auth.run_id, self.swarm_auth.authority_public_key)
+        order = self.swarm_auth.revert_order(self.dht)
         if order is not None:
             revert_peer = PeerID.from_base58(order.peer_id)
             if revert_peer in peer_priority and order.epoch >= max(kept.values(), default=-1) - 1:
@@ -201,12 +174,13 @@ class EpochGuard:
     that peer and epoch.
 
     Args:
-        swarm_auth: the run's authority key and this peer's credentials; None disables the guard (open run).
+        swarm_auth: this peer's credentials (a PeerCredentials: it reads the revert orders); None disables the
+            guard (open run).
     """
 
-    def __init__(self, *args, swarm_auth: Optional[SwarmAuth] = None, **kwargs):
+    def __init__(self, *args, swarm_auth: Optional[PeerCredentials] = None, **kwargs):
         self.swarm_auth = swarm_auth
-        self._guard_log = RateLimitedLog(period=300.0)
+        self._guard_log = RateLimitedLog(logger, period=300.0)
         super().__init__(*args, **kwargs)
 
     def _parse_swarm_progress_data(self, metadata):
@@ -225,8 +199,7 @@ class EpochGuard:
         suspects = implausible_claims({key: claim.epoch for key, claim in claims.items()}, self.local_progress.epoch)
         if not suspects:
             return metadata
-        order: Optional[RevertOrder] = fetch_revert_order(self.dht, self.swarm_auth.run_id,
-                                                          self.swarm_auth.authority_public_key)
+        order: Optional[RevertOrder] = self.swarm_auth.revert_order(self.dht)
         kept = dict(metadata)
         for key in suspects:
             claim = claims[key]

@@ -24,8 +24,8 @@ import hivemind
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 
-from lightning_swarm.auth.peer import SwarmAuth
 from lightning_swarm.hivemind_ext.auth_guards import AuthenticatedAveraging, EpochGuard
+from lightning_swarm.hivemind_ext.credentials import PeerCredentials
 from lightning_swarm.hivemind_ext.finite_state import FiniteStateDownload
 from lightning_swarm.hivemind_ext.grad_averager import SampleWeightedGradientAverager
 from lightning_swarm.hivemind_ext.matchmaking import ThrottledLeaderSearch
@@ -79,13 +79,13 @@ class SwarmOptimizer(hivemind.Optimizer):
     ``grad_averager_factory`` may set ``leader_poll_interval`` (see ThrottledLeaderSearch). The default gradient
     averager is :class:`SwarmGradientAverager`. ``robust_averaging_opts`` (``aggregation``, ``centered_clip_tau``,
     ``centered_clip_iters``) configure the state averager's all-reduce (see RobustAveraging); give the gradient
-    averager's through ``grad_averager_factory``. ``swarm_auth`` (a :class:`~lightning_swarm.auth.peer.SwarmAuth`,
-    in a run with an authority) is handed to the tracker and both averagers (see
+    averager's through ``grad_averager_factory``. ``swarm_auth`` (a :class:`~lightning_swarm.hivemind_ext.credentials.PeerCredentials`
+    such as :class:`~lightning_swarm.auth.peer.SwarmAuth`, in a run with an authority) is handed to the tracker and both averagers (see
     :mod:`lightning_swarm.hivemind_ext.auth_guards`); the DHT must have been created with its authorizer.
     """
 
     def __init__(self, *args, grad_averager_factory=SwarmGradientAverager, robust_averaging_opts=None,
-                 swarm_auth: Optional[SwarmAuth] = None, **kwargs):
+                 swarm_auth: Optional[PeerCredentials] = None, **kwargs):
         self.robust_averaging_opts = dict(robust_averaging_opts or {})  # read by _make_state_averager in super()
         self.swarm_auth = swarm_auth  # read by the factories below, which hivemind calls from its __init__
         if swarm_auth is not None and grad_averager_factory is not None:  # None: local updates, no such averager

@@ -35,8 +35,7 @@ class PrivateSymbol:
         name: dotted path inside the module: ``"Optimizer._make_state_averager"`` (class attribute or method),
             ``"_BASE_COMPRESSION_TYPES"`` (module attribute), or with ``instance=True`` ``"Class.attribute"``.
         why: what we use it for.
-        used_in: module of ``lightning_swarm.hivemind_ext`` that uses it (one exception: ``auth.keys``, see the
-            package docstring).
+        used_in: module of ``lightning_swarm.hivemind_ext`` that uses it.
         instance: the attribute is set on instances (in a method of the class or of a hivemind base class), not
             defined on the class: it is checked by finding the assignment ``self.<attribute> = ...`` in the source.
     """
@@ -182,11 +181,11 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
     + _symbols("hivemind.averaging.control", "auth_guards", [
         ("StepControl._data_for_gather", "replaced by the same data with this peer's join proof inside"),
     ], instance=True)
-    + _symbols("hivemind.utils.crypto", "auth.keys", [
+    + _symbols("hivemind.utils.crypto", "keys", [
         ("RSAPrivateKey._process_wide_key", "set to the key an offline token was issued for"),
         ("RSAPrivateKey._process_wide_key_lock", "held while setting it"),
     ])
-    + _symbols("hivemind.utils.crypto", "auth.keys", [
+    + _symbols("hivemind.utils.crypto", "keys", [
         ("RSAPrivateKey._private_key", "the cryptography key inside, loaded from / written to PEM"),
     ], instance=True)
     + _symbols("hivemind.compression.serialization", "codecs", [

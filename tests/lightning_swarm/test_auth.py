@@ -24,6 +24,7 @@ from lightning_swarm.auth.tokens import (
     token_to_json,
 )
 from lightning_swarm.hivemind_ext import auth_guards
+from lightning_swarm.hivemind_ext.credentials import CredentialsError
 
 WORKER = Path(__file__).with_name("auth_worker.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -120,6 +121,20 @@ def test_epoch_claims_and_state_sources_need_another_peer_to_confirm_them():
     assert auth_guards.credible_newest_epoch({}) is None
     assert auth_guards.plausible_sources({"a": 10.0, "b": 9.0, "x": 1e9}) == {"a": 10.0, "b": 9.0}
     assert auth_guards.plausible_sources({"a": 10.0}) == {"a": 10.0}
+
+
+def test_a_join_proof_admits_its_peer_id_only(authority):
+    _, path = _issue(authority, "alice")
+    public = authority["authority"] + ".pub"
+    alice = SwarmAuth("run", public, token=path, key=authority["alice"])
+    proof = alice.join_proof("run_grad_averager", b"peer-a")
+    assert alice.check_join_proof(proof, "run_grad_averager", b"peer-a").ok
+    assert "not signed for this peer id" in alice.check_join_proof(proof, "run_grad_averager", b"peer-b").reason
+    assert not alice.check_join_proof(proof, "run_state_averager", b"peer-a").ok
+    assert alice.check_join_proof(None, "run_grad_averager", b"peer-a").reason == "no access token"
+    assert alice.check_join_proof({"token": "x"}, "run_grad_averager", b"peer-a").reason == "a malformed join proof"
+    with pytest.raises(CredentialsError):  # what the averagers catch: an AuthError
+        SwarmAuth("run", public).join_proof("run_grad_averager", b"peer-a")
 
 
 def test_revert_orders_verify_only_with_the_authority_key(authority):
@@ -340,7 +355,7 @@ def test_a_peer_without_auth_settings_is_told_why_an_authenticated_swarm_does_no
     from hivemind.utils.crypto import RSAPrivateKey
 
     from lightning_swarm.auth.authorizer import SwarmAuthorizer
-    from lightning_swarm.auth.keys import private_key_to_pem
+    from lightning_swarm.hivemind_ext.keys import private_key_to_pem
     from lightning_swarm.strategy import HivemindStrategy
 
     # the authenticated peer signs with this process's own key (so the test process keeps its key)

@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import hivemind
 import pytest
@@ -48,6 +49,13 @@ def test_package_docstring_lists_every_symbol():
         attribute = re.escape(symbol.name.split(".")[-1])
         assert re.search(rf"``([\w.]*\.)?{attribute}``", documented), f"{symbol.name} is not in the docstring"
         assert f"``{symbol.used_in}``" in documented, symbol.used_in
+
+
+def test_every_private_symbol_is_used_inside_the_package():
+    # the seam is one package: every private name is used by one of its modules
+    package = hivemind_ext.__path__[0]
+    for symbol in PRIVATE_SYMBOLS:
+        assert (Path(package) / f"{symbol.used_in}.py").is_file(), f"{symbol.name} is used outside hivemind_ext"
 
 
 def _keyword_names(function) -> set:

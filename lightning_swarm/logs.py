@@ -4,21 +4,19 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Dict, Optional
-
-logger = logging.getLogger("lightning_swarm.auth")
+from typing import Dict
 
 
 class RateLimitedLog:
     """Log each distinct message at most once per ``period`` seconds.
 
     Args:
+        target: the logger to write to.
         period: seconds before the same message is logged again.
-        target: the logger to write to (default: ``lightning_swarm.auth``).
     """
 
-    def __init__(self, period: float = 60.0, target: Optional[logging.Logger] = None):
-        self.period, self.target = period, target or logger
+    def __init__(self, target: logging.Logger, period: float = 60.0):
+        self.target, self.period = target, period
         self._last: Dict[str, float] = {}
 
     def __call__(self, level: int, message: str) -> None:

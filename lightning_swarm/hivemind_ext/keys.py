@@ -3,6 +3,7 @@
 hivemind 1.1.12's ``RSAPrivateKey`` can only generate a fresh key (no loader), and every signed DHT record and
 authorized request of a process uses ``RSAPrivateKey.process_wide()``. An access token names one public key, so
 a peer whose token was issued offline must sign with that key: :func:`use_as_process_key` installs it.
+Private names used here are listed in :data:`lightning_swarm.hivemind_ext.private_api.PRIVATE_SYMBOLS`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.utils.crypto import RSAPrivateKey
 
-# the private names used below are listed in lightning_swarm.hivemind_ext.private_api.PRIVATE_SYMBOLS (as auth.keys)
 
 
 def private_key_from_pem(pem: bytes) -> RSAPrivateKey:
