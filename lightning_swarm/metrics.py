@@ -11,6 +11,7 @@ Both the publishing and the reading DHT must carry the validators: create the DH
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Dict, List, Union
 
@@ -22,6 +23,8 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.utils.mpfuture import MPFuture
+
+log = logging.getLogger(__name__)
 
 # how long a published record stays in the DHT if the peer stops refreshing it (e.g. because it died)
 DEFAULT_METRICS_EXPIRATION = 60.0
@@ -112,6 +115,31 @@ def fetch_metrics(dht: hivemind.DHT, run_id: str, latest: bool = True) -> Dict[b
         except pydantic.ValidationError:
             continue  # the validators already filter these; skip anything malformed defensively
     return records
+
+
+class MetricsPublisher:
+    """Publishes a training peer's records in the background, never stopping training: a failed publication is
+    logged, and each store's future is kept until it is done (a future dropped early breaks its pipe to the DHT
+    process)."""
+
+    def __init__(self) -> None:
+        self._pending: List[MPFuture] = []
+
+    def publish(self, dht: hivemind.DHT, run_id: str, record: LocalMetrics) -> None:
+        try:
+            self._pending = [future for future in self._pending if not future.done()]
+            self._pending.append(publish_metrics(dht, run_id, record, wait=False))
+        except Exception as e:  # a failed publication must not stop training
+            log.warning(f"[lightning_swarm] could not publish metrics: {e!r}")
+
+    def finish(self, timeout: float = 5.0) -> None:
+        """Wait up to ``timeout`` seconds for each publication still under way (before the DHT shuts down)."""
+        for future in self._pending:
+            try:
+                future.result(timeout=timeout)
+            except Exception:
+                pass
+        self._pending = []
 
 
 class SwarmStats:

@@ -20,8 +20,6 @@ The same through LightningCLI YAML::
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 from typing import Any, Callable, Dict, List, Optional, Union
 
@@ -33,28 +31,18 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 
-from lightning_swarm import compression as swarm_compression
 from lightning_swarm import metrics as swarm_metrics
+from lightning_swarm.aggregation import DEFAULT_CENTERED_CLIP_ITERS, check_aggregation_options
 from lightning_swarm.auth.peer import SwarmAuth, resolve_auth_settings
 from lightning_swarm.callbacks.progress import SwarmProgress
-from lightning_swarm.strategy_options import check_strategy_options
-from lightning_swarm.aggregation import DEFAULT_CENTERED_CLIP_ITERS, check_aggregation_options
-from lightning_swarm.hivemind_ext.state import progress_key
 from lightning_swarm.dht import start_peer_dht
-from lightning_swarm.link_budget import fit_averaging_timeout
-from lightning_swarm.peers import check_listen_maddrs, resolve_initial_peers
-from lightning_swarm.scheduler import GlobalEpochScheduler, rebind_scheduler
 from lightning_swarm.hivemind_ext.optimizer import SwarmGradientAverager, SwarmOptimizer
+from lightning_swarm.peers import check_listen_maddrs, resolve_initial_peers
+from lightning_swarm.scheduler import GlobalEpochScheduler
+from lightning_swarm.strategy_options import check_strategy_options, check_trainer_for_swarm, hivemind_optimizer_options
+from lightning_swarm.swarm_optimizer import build_swarm_optimizer, join_swarm
 
 log = logging.getLogger(__name__)
-
-def _optimizer_factory(optimizer: torch.optim.Optimizer) -> Callable[[Any], torch.optim.Optimizer]:
-    """Re-create the user's optimizer (same class and hyper-parameters) on the param groups hivemind gives it."""
-    optimizer_class = type(optimizer)
-    accepted = inspect.signature(optimizer_class.__init__).parameters
-    takes_any_kwarg = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-    defaults = {k: v for k, v in optimizer.defaults.items() if takes_any_kwarg or k in accepted}
-    return lambda param_groups: optimizer_class(param_groups, **defaults)
 
 
 class HivemindStrategy(SingleDeviceStrategy):
@@ -209,22 +197,13 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.reuse_grad_buffers = reuse_grad_buffers
         self.publish_metrics, self.metrics_interval = publish_metrics, metrics_interval
         self.log_progress = log_progress
-        self._hivemind_kwargs = dict(
-            matchmaking_time=matchmaking_time,
-            averaging_timeout=averaging_timeout,
-            allreduce_timeout=allreduce_timeout,
-            load_state_timeout=load_state_timeout,
-            next_chunk_timeout=next_chunk_timeout if next_chunk_timeout is not None else max(
-                matchmaking_time, min(10.0, averaging_timeout / 3)),
-            delay_optimizer_step=delay_optimizer_step,
-            delay_grad_averaging=delay_grad_averaging,
-            delay_state_averaging=delay_state_averaging,
-            offload_optimizer=offload_optimizer,
-            reuse_grad_buffers=reuse_grad_buffers,
-            average_state_every=average_state_every,
-            # hivemind warns (and may deadlock) if request_timeout >= matchmaking_time
-            averager_opts=dict(dict(request_timeout=min(3.0, matchmaking_time / 2)), **(averager_opts or {})),
-            tracker_opts=tracker_opts,
+        self._hivemind_kwargs = hivemind_optimizer_options(
+            matchmaking_time=matchmaking_time, averaging_timeout=averaging_timeout,
+            allreduce_timeout=allreduce_timeout, load_state_timeout=load_state_timeout,
+            next_chunk_timeout=next_chunk_timeout, delay_optimizer_step=delay_optimizer_step,
+            delay_grad_averaging=delay_grad_averaging, delay_state_averaging=delay_state_averaging,
+            offload_optimizer=offload_optimizer, reuse_grad_buffers=reuse_grad_buffers,
+            average_state_every=average_state_every, averager_opts=averager_opts, tracker_opts=tracker_opts,
             verbose=verbose,
         )
 
@@ -232,7 +211,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         self._optimizer: Optional[hivemind.Optimizer] = None
         self._original_zero_grad: Optional[Callable] = None
         self._current_batch_size: Optional[int] = None
-        self._pending_publications: List[Any] = []  # futures of background DHT stores, kept alive until done
+        self._metrics_publisher = swarm_metrics.MetricsPublisher()
         self.stats = swarm_metrics.SwarmStats()
 
     # ----------------------------------------------------------------------------------------------- public API
@@ -297,19 +276,8 @@ class HivemindStrategy(SingleDeviceStrategy):
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        if trainer.accumulate_grad_batches != 1:
-            raise ValueError(
-                "HivemindStrategy accumulates gradients up to target_batch_size itself: "
-                f"remove accumulate_grad_batches={trainer.accumulate_grad_batches} from the Trainer"
-            )
-        if self._grad_scaler is not None and self.reuse_grad_buffers:
-            raise ValueError(
-                "fp16 loss scaling (precision='16-mixed') can't be combined with reuse_grad_buffers=True: the "
-                "gradients would have to stay scaled over the whole accumulation (hivemind's own GradScaler, which "
-                "Lightning's step does not drive). Use reuse_grad_buffers=False, or precision='bf16-mixed'/'32-true'"
-            )
-        if len(self.optimizers) != 1:
-            raise ValueError(f"HivemindStrategy needs exactly one optimizer, configure_optimizers gave {len(self.optimizers)}")
+        check_trainer_for_swarm(trainer.accumulate_grad_batches, self._grad_scaler is not None,
+                                self.reuse_grad_buffers, len(self.optimizers))
         self.start_dht()
         self._wrap_optimizer(self.optimizers[0])
         if self.reuse_grad_buffers:  # hivemind accumulates in .grad: Lightning must not zero it
@@ -346,66 +314,21 @@ class HivemindStrategy(SingleDeviceStrategy):
             **overrides: hivemind.Optimizer arguments that replace this strategy's (the monitor sets
                 ``use_local_updates=True``, ``offload_optimizer=False``, ...).
         """
-        if scheduler is not None and scheduler.optimizer is not optimizer:
-            raise ValueError("The LR scheduler must be built on the optimizer returned by configure_optimizers")
-        scheduler_factory = (lambda new_optimizer: rebind_scheduler(scheduler, new_optimizer)) if scheduler else None
-        if scheduler is not None:
-            rebind_scheduler(scheduler, optimizer)  # fail early (e.g. ReduceLROnPlateau) with a clear message
-
-        swarm_compression.register_fixed_codecs()  # before the averagers start: peers may send any 8-bit codec
-        compression = swarm_compression.resolve_compression(self.compression)
         dht = self.start_dht()  # also sets swarm_auth in a run with an authority
-        kwargs = dict(
-            self._hivemind_kwargs,
-            swarm_auth=self.swarm_auth,
-            use_local_updates=False,
-            client_mode=None,  # derived from the DHT, which knows whether we are in client mode
-            grad_compression=compression,
-            state_averaging_compression=compression,
-            load_state_compression=swarm_compression.resolve_compression(self.load_state_compression),
-        )
-        kwargs.update(overrides)
-        kwargs["averaging_timeout"], kwargs["allreduce_timeout"], message, warn = fit_averaging_timeout(
-            [param for group in optimizer.param_groups for param in group["params"]], compression,
-            kwargs["averaging_timeout"], kwargs["allreduce_timeout"], kwargs["matchmaking_time"], self.link_mbit,
-            kwargs["averager_opts"].get("target_group_size"))
-        (log.warning if warn else log.info)(message)
-        # hivemind passes averager_opts to the state averager only; the gradient averager needs them too
-        # (with local updates there is no gradient averager, and hivemind refuses a factory for it)
-        grad_averager_factory = None if kwargs["use_local_updates"] else functools.partial(
-            self.grad_averager_class, progress_key=progress_key(self.run_id), **self.robust_averaging_opts,
-            **kwargs["averager_opts"])
-        return SwarmOptimizer(
-            dht=dht,
-            run_id=self.run_id,
-            target_batch_size=self.target_batch_size,
-            optimizer=_optimizer_factory(optimizer),
-            params=optimizer.param_groups,
-            scheduler=scheduler_factory,
-            grad_averager_factory=grad_averager_factory,
-            robust_averaging_opts=self.robust_averaging_opts,
-            **kwargs,
+        return build_swarm_optimizer(
+            dht=dht, run_id=self.run_id, target_batch_size=self.target_batch_size, optimizer=optimizer,
+            scheduler=scheduler, swarm_auth=self.swarm_auth, compression=self.compression,
+            load_state_compression=self.load_state_compression, grad_averager_class=self.grad_averager_class,
+            robust_averaging_opts=self.robust_averaging_opts, hivemind_kwargs=self._hivemind_kwargs,
+            link_mbit=self.link_mbit, overrides=overrides,
         )
 
     def on_train_start(self) -> None:
-        """Join the swarm where it is: a late joiner (or a peer resumed from an old checkpoint) downloads the
-        current state; otherwise announce our (possibly restored) epoch."""
+        """Join the swarm where it is (:func:`~lightning_swarm.swarm_optimizer.join_swarm`)."""
         super().on_train_start()
-        optimizer = self._optimizer
-        if optimizer is None:
+        if self._optimizer is None:
             return
-        behind = optimizer.tracker.global_epoch > optimizer.local_epoch
-        fresh_joiner = bool(self.initial_peers) and optimizer.local_epoch == 0
-        if behind or fresh_joiner:
-            # a fresh joiner also takes the swarm's initial parameters, so all peers start from the same point
-            log.warning(
-                f"[lightning_swarm] swarm is at global epoch {optimizer.tracker.global_epoch}, this peer at "
-                f"{optimizer.local_epoch}: loading state from peers"
-            )
-            optimizer.load_state_from_peers()
-        else:
-            with optimizer.tracker.pause_updates():
-                optimizer.tracker.update_epoch(optimizer.local_epoch)
+        join_swarm(self._optimizer, joining=bool(self.initial_peers))
         self.stats.start(self.global_epoch)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -445,17 +368,10 @@ class HivemindStrategy(SingleDeviceStrategy):
             log.info(f"[lightning_swarm] fp16 gradients overflowed: batch skipped, loss scale {scaler.get_scale():g}")
         self.stats.record_step(0 if skipped else kwargs["batch_size"], loss, self.global_epoch, self.target_batch_size)
         if self.publish_metrics and self.stats.due(self.metrics_interval):
-            self._publish_metrics()
+            record = self.stats.make_record(self.global_epoch, self.local_samples_per_second,
+                                            token=self.swarm_auth.token_for_records() if self.swarm_auth else "")
+            self._metrics_publisher.publish(self._dht, self.run_id, record)
         return step_output
-
-    def _publish_metrics(self) -> None:
-        record = self.stats.make_record(self.global_epoch, self._optimizer.tracker.performance_ema.samples_per_second,
-                                        token=self.swarm_auth.token_for_records() if self.swarm_auth else "")
-        try:
-            self._pending_publications = [f for f in self._pending_publications if not f.done()]
-            self._pending_publications.append(swarm_metrics.publish_metrics(self._dht, self.run_id, record, wait=False))
-        except Exception as e:  # a failed publication must not stop training
-            log.warning(f"[lightning_swarm] could not publish metrics: {e!r}")
 
     @property
     def local_samples_per_second(self) -> float:
@@ -465,12 +381,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         if self._original_zero_grad is not None and self.lightning_module is not None:
             self.lightning_module.optimizer_zero_grad = self._original_zero_grad
             self._original_zero_grad = None
-        for future in self._pending_publications:
-            try:
-                future.result(timeout=5)
-            except Exception:
-                pass
-        self._pending_publications = []
+        self._metrics_publisher.finish(timeout=5)
         if self._optimizer is not None:
             self._optimizer.shutdown()
             self._optimizer = None

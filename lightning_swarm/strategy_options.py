@@ -1,4 +1,5 @@
-"""The checks HivemindStrategy makes on its options, so that a bad config fails at once with a clear message."""
+"""HivemindStrategy's options: the checks that make a bad config fail at once with a clear message, and the
+hivemind.Optimizer arguments they become."""
 
 from __future__ import annotations
 
@@ -72,3 +73,66 @@ def check_strategy_options(
     for name, value in dict(compression=compression, load_state_compression=load_state_compression).items():
         if isinstance(value, str) and value not in COMPRESSION_CHOICES:
             raise ValueError(f"{name} must be one of {COMPRESSION_CHOICES}, got {value!r}")
+
+
+def hivemind_optimizer_options(
+    *,
+    matchmaking_time: float,
+    averaging_timeout: float,
+    allreduce_timeout: Optional[float],
+    load_state_timeout: float,
+    next_chunk_timeout: Optional[float],
+    delay_optimizer_step: Optional[bool],
+    delay_grad_averaging: bool,
+    delay_state_averaging: bool,
+    offload_optimizer: Optional[bool],
+    reuse_grad_buffers: bool,
+    average_state_every: int,
+    averager_opts: Optional[Dict[str, Any]],
+    tracker_opts: Optional[Dict[str, Any]],
+    verbose: bool,
+) -> Dict[str, Any]:
+    """The hivemind.Optimizer arguments of HivemindStrategy's options (same names and meaning), defaults filled in."""
+    return dict(
+        matchmaking_time=matchmaking_time,
+        averaging_timeout=averaging_timeout,
+        allreduce_timeout=allreduce_timeout,
+        load_state_timeout=load_state_timeout,
+        next_chunk_timeout=next_chunk_timeout if next_chunk_timeout is not None else max(
+            matchmaking_time, min(10.0, averaging_timeout / 3)),
+        delay_optimizer_step=delay_optimizer_step,
+        delay_grad_averaging=delay_grad_averaging,
+        delay_state_averaging=delay_state_averaging,
+        offload_optimizer=offload_optimizer,
+        reuse_grad_buffers=reuse_grad_buffers,
+        average_state_every=average_state_every,
+        # hivemind warns (and may deadlock) if request_timeout >= matchmaking_time
+        averager_opts=dict(dict(request_timeout=min(3.0, matchmaking_time / 2)), **(averager_opts or {})),
+        tracker_opts=tracker_opts,
+        verbose=verbose,
+    )
+
+
+def check_trainer_for_swarm(accumulate_grad_batches: int, fp16_loss_scaling: bool, reuse_grad_buffers: bool,
+                            num_optimizers: int) -> None:
+    """Raise ValueError if the Trainer's setup can't train under HivemindStrategy.
+
+    Args:
+        accumulate_grad_batches: the Trainer's (the strategy accumulates up to target_batch_size itself).
+        fp16_loss_scaling: whether the precision plugin scales the loss (``precision='16-mixed'``).
+        reuse_grad_buffers: the strategy's option.
+        num_optimizers: how many optimizers ``configure_optimizers`` gave.
+    """
+    if accumulate_grad_batches != 1:
+        raise ValueError(
+            "HivemindStrategy accumulates gradients up to target_batch_size itself: "
+            f"remove accumulate_grad_batches={accumulate_grad_batches} from the Trainer"
+        )
+    if fp16_loss_scaling and reuse_grad_buffers:
+        raise ValueError(
+            "fp16 loss scaling (precision='16-mixed') can't be combined with reuse_grad_buffers=True: the "
+            "gradients would have to stay scaled over the whole accumulation (hivemind's own GradScaler, which "
+            "Lightning's step does not drive). Use reuse_grad_buffers=False, or precision='bf16-mixed'/'32-true'"
+        )
+    if num_optimizers != 1:
+        raise ValueError(f"HivemindStrategy needs exactly one optimizer, configure_optimizers gave {num_optimizers}")
