@@ -7,11 +7,11 @@ Examples::
     # a user, once: a key whose .pub goes into the allowlist (or the key an offline token is issued for)
     python -m lightning_swarm.auth keygen alice.pem
     # small private run: moderators issue a token offline (the peer runs with auth.token + auth.key)
-    python -m lightning_swarm.auth issue --authority_key authority.pem --run_id my-run --username alice \\
-        --public_key alice.pem.pub --lifetime 7d --out alice.token
+    python -m lightning_swarm.auth issue --authority-key authority.pem --run-id my-run --username alice \\
+        --public-key alice.pem.pub --lifetime 7d --out alice.token
     # open run with an allowlist: the authority service (peers run with auth.server/username/key)
-    python -m lightning_swarm.auth serve --authority_key authority.pem --run_id my-run --allowlist allowlist.txt \\
-        --host 0.0.0.0 --port 8777 --token_lifetime 1h
+    python -m lightning_swarm.auth serve --authority-key authority.pem --run-id my-run --allowlist allowlist.txt \\
+        --host 0.0.0.0 --port 8777 --token-lifetime 1h
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import logging
 import re
 import sys
 from typing import List, Optional
+
+from lightning_swarm.cli_flags import KebabCaseArgumentParser
 
 DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd]?)")
 UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -35,24 +37,25 @@ def parse_duration(text: str) -> float:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m lightning_swarm.auth", description=__doc__.split("\n")[0])
+    # kebab-case options; the snake_case spellings of the first release still work, with a warning
+    parser = KebabCaseArgumentParser(prog="python -m lightning_swarm.auth", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     keygen = commands.add_parser("keygen", help="write a new RSA key (PEM) and its public key (PATH.pub)")
     keygen.add_argument("path")
     issue = commands.add_parser("issue", help="issue a token offline (small private runs)")
-    issue.add_argument("--authority_key", required=True, help="the run's authority private key (PEM)")
-    issue.add_argument("--run_id", required=True)
+    issue.add_argument("--authority-key", required=True, help="the run's authority private key (PEM)")
+    issue.add_argument("--run-id", required=True)
     issue.add_argument("--username", required=True)
-    issue.add_argument("--public_key", required=True, help="the peer's public key (ssh-rsa ... or its .pub file)")
+    issue.add_argument("--public-key", required=True, help="the peer's public key (ssh-rsa ... or its .pub file)")
     issue.add_argument("--lifetime", type=parse_duration, default=parse_duration("7d"),
                        help="how long the token is valid (a ban takes effect when it expires)")
     issue.add_argument("--out", required=True, help="token file to write")
     serve = commands.add_parser("serve", help="run the authority service")
-    serve.add_argument("--authority_key", required=True, help="the run's authority private key (PEM)")
-    serve.add_argument("--run_id", required=True)
+    serve.add_argument("--authority-key", required=True, help="the run's authority private key (PEM)")
+    serve.add_argument("--run-id", required=True)
     serve.add_argument("--allowlist", default=None, help="file of 'username ssh-rsa AAAA...' lines")
-    serve.add_argument("--hf_organization", default=None, help="also admit members of this Hugging Face organisation")
-    serve.add_argument("--token_lifetime", type=parse_duration, default=parse_duration("1h"),
+    serve.add_argument("--hf-organization", default=None, help="also admit members of this Hugging Face organisation")
+    serve.add_argument("--token-lifetime", type=parse_duration, default=parse_duration("1h"),
                        help="token lifetime: the longest a ban takes to reach every peer")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8777)

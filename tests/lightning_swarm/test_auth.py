@@ -137,6 +137,21 @@ def test_a_join_proof_admits_its_peer_id_only(authority):
         SwarmAuth("run", public).join_proof("run_grad_averager", b"peer-a")
 
 
+def test_the_command_line_issues_a_token_and_takes_the_old_flag_spellings(authority, tmp_path):
+    from lightning_swarm.auth.__main__ import main
+
+    out = tmp_path / "alice.token"
+    main(["issue", "--authority-key", authority["authority"], "--run-id", "run", "--username", "alice",
+          "--public-key", authority["alice"] + ".pub", "--lifetime", "1h", "--out", str(out)])
+    authority_key = parse_public_key(authority["authority"] + ".pub")
+    from lightning_swarm.auth.tokens import token_from_json
+
+    assert check_token(token_from_json(out.read_text()), authority_key, "run").ok
+    with pytest.warns(FutureWarning, match="--public_key is deprecated, use --public-key"):
+        main(["issue", "--authority-key", authority["authority"], "--run-id", "run", "--username", "alice",
+              "--public_key", authority["alice"] + ".pub", "--out", str(out)])
+
+
 def test_revert_orders_verify_only_with_the_authority_key(authority):
     from lightning_swarm.auth.tokens import load_private_key
 

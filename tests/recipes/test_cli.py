@@ -47,6 +47,14 @@ def test_mismatched_text_length_is_a_clear_error(tmp_path):
               "--data.init_args.data_dir", str(tmp_path / "data"), "--data.init_args.text_seq_len", "24"])
 
 
+def test_model_and_data_that_disagree_are_refused_when_the_config_is_parsed(tmp_path):
+    # the CLIP recipe states its text length for the model and for the data: before anything is built
+    with pytest.raises(ValueError, match=r"model.init_args.model_cfg.text_cfg.context_length=16 but "
+                                         r"data.init_args.context_length=24"):
+        main(["--config", "configs/clip_tiny.yaml", "--data.init_args.context_length", "24",
+              "--trainer.default_root_dir", str(tmp_path)], run=False)
+
+
 def test_bad_module_options_are_rejected():
     config = DALLEConfig(dim=32, depth=2, heads=2, dim_head=8, text_seq_len=8, image_vocab_size=8, image_grid_size=4,
                          conv_kernel_size=3)
