@@ -86,12 +86,18 @@ def build_model(config: Dict[str, Any], model_class: Optional[str] = None) -> An
     return instantiate_model_config(config["model"], model_class)
 
 
-def strategy_init_args(config: Dict[str, Any]) -> Dict[str, Any]:
-    """The init args under ``trainer.strategy`` (empty if the config names no strategy or only its name)."""
+def strategy_entry(config: Dict[str, Any]) -> Tuple[Optional[str], Dict[str, Any]]:
+    """(class path or None, init args) of ``trainer.strategy``; ``(None, {})`` if the config names no strategy or
+    only its name (such as ``"auto"``)."""
     strategy = (config.get("trainer") or {}).get("strategy")
     if strategy is None or isinstance(strategy, str):
-        return {}
-    return _class_and_init_args(strategy, "trainer.strategy")[1]
+        return None, {}
+    return _class_and_init_args(strategy, "trainer.strategy")
+
+
+def strategy_init_args(config: Dict[str, Any]) -> Dict[str, Any]:
+    """The init args under ``trainer.strategy`` (empty if the config names no strategy or only its name)."""
+    return strategy_entry(config)[1]
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 import jsonargparse
 import lightning.pytorch as pl
 
-from lightning_swarm.recipe_config import build_model, load_yaml
+from lightning_swarm.recipe_config import build_model, load_yaml, strategy_entry
 
 if TYPE_CHECKING:
     from lightning_swarm.strategy import HivemindStrategy
@@ -21,14 +21,8 @@ if TYPE_CHECKING:
 
 def strategy_section(config: Dict[str, Any]) -> Dict[str, Any]:
     """``trainer.strategy`` as ``{"class_path": ..., "init_args": {...}}`` (empty init args if there is none)."""
-    strategy = (config.get("trainer") or {}).get("strategy")
-    if strategy is None or isinstance(strategy, str):  # no swarm strategy, or a bare name such as "auto"
-        return {"class_path": "lightning_swarm.HivemindStrategy", "init_args": {}}
-    if not isinstance(strategy, dict):
-        raise ValueError(f"trainer.strategy must be a mapping with class_path/init_args, got {strategy!r}")
-    if "class_path" not in strategy:
-        return {"class_path": "lightning_swarm.HivemindStrategy", "init_args": dict(strategy)}
-    return {"class_path": strategy["class_path"], "init_args": dict(strategy.get("init_args") or {})}
+    class_path, init_args = strategy_entry(config)  # no class (none, a bare name, init args alone): HivemindStrategy
+    return {"class_path": class_path or "lightning_swarm.HivemindStrategy", "init_args": init_args}
 
 
 def build_strategy(config: Dict[str, Any], **overrides: Any) -> "HivemindStrategy":
