@@ -40,7 +40,7 @@ from lightning_swarm.hivemind_ext.optimizer import SwarmGradientAverager, SwarmO
 from lightning_swarm.peers import check_listen_maddrs, resolve_initial_peers
 from lightning_swarm.scheduler import GlobalEpochScheduler
 from lightning_swarm.strategy_options import check_strategy_options, check_trainer_for_swarm, hivemind_optimizer_options
-from lightning_swarm.swarm_optimizer import build_swarm_optimizer, join_swarm
+from lightning_swarm.swarm_optimizer import build_swarm_optimizer, join_swarm, scheduler_factory
 
 log = logging.getLogger(__name__)
 
@@ -314,10 +314,11 @@ class HivemindStrategy(SingleDeviceStrategy):
             **overrides: hivemind.Optimizer arguments that replace this strategy's (the monitor sets
                 ``use_local_updates=True``, ``offload_optimizer=False``, ...).
         """
+        make_scheduler = scheduler_factory(scheduler, optimizer)  # a bad scheduler fails before the DHT starts
         dht = self.start_dht()  # also sets swarm_auth in a run with an authority
         return build_swarm_optimizer(
             dht=dht, run_id=self.run_id, target_batch_size=self.target_batch_size, optimizer=optimizer,
-            scheduler=scheduler, swarm_auth=self.swarm_auth, compression=self.compression,
+            make_scheduler=make_scheduler, swarm_auth=self.swarm_auth, compression=self.compression,
             load_state_compression=self.load_state_compression, grad_averager_class=self.grad_averager_class,
             robust_averaging_opts=self.robust_averaging_opts, hivemind_kwargs=self._hivemind_kwargs,
             link_mbit=self.link_mbit, overrides=overrides,

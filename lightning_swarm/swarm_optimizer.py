@@ -52,7 +52,7 @@ def build_swarm_optimizer(
     run_id: str,
     target_batch_size: int,
     optimizer: torch.optim.Optimizer,
-    scheduler: Optional[Any],
+    make_scheduler: Optional[Callable[[Any], Any]],
     swarm_auth: Optional[PeerCredentials],
     compression: Union[str, CompressionBase],
     load_state_compression: Union[str, CompressionBase],
@@ -62,13 +62,13 @@ def build_swarm_optimizer(
     link_mbit: Optional[float],
     overrides: Dict[str, Any],
 ) -> SwarmOptimizer:
-    """A SwarmOptimizer around ``optimizer`` and its LR ``scheduler``.
+    """A SwarmOptimizer around ``optimizer`` and its LR schedule.
 
     Args:
         dht: this peer's running DHT.
         run_id, target_batch_size, compression, load_state_compression: as HivemindStrategy's options.
         optimizer: the module's optimizer; re-created (same class and hyper-parameters) on its param groups.
-        scheduler: an LR scheduler built on ``optimizer`` (re-created on the swarm's optimizer), or None.
+        make_scheduler: the LR scheduler re-created on the swarm's optimizer (:func:`scheduler_factory`), or None.
         swarm_auth: this peer's credentials in a run with an authority, or None.
         grad_averager_class: the gradient averager to build (HivemindStrategy.grad_averager_class).
         robust_averaging_opts: ``aggregation``, ``centered_clip_tau``, ``centered_clip_iters`` of both averagers.
@@ -76,7 +76,6 @@ def build_swarm_optimizer(
         link_mbit: the strategy's option: the averaging timeouts are fitted to it (:mod:`lightning_swarm.link_budget`).
         overrides: hivemind.Optimizer arguments that replace those (the monitor sets ``use_local_updates=True``...).
     """
-    make_scheduler = scheduler_factory(scheduler, optimizer)
     swarm_compression.register_fixed_codecs()  # before the averagers start: peers may send any 8-bit codec
     codec = swarm_compression.resolve_compression(compression)
     kwargs = dict(
