@@ -27,7 +27,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from paths import SHARED  # noqa: E402
+from paths import REPO, SHARED  # noqa: E402
+
+sys.path.insert(0, str(REPO))  # `recipes` when run as a script from any directory (the workers run this file too)
 
 ANCHOR = SHARED / "peers" / "dalle_pytorch_anchor.py"
 
