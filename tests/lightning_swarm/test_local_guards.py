@@ -30,14 +30,6 @@ def all_finite(params) -> bool:
     return all(bool(torch.isfinite(tensor).all()) for tensor in params.values())
 
 
-@pytest.fixture
-def peers():
-    started = []
-    yield started
-    for peer in started:
-        peer.kill()
-
-
 @pytest.mark.timeout(240)
 def test_a_peer_whose_gradients_turn_nan_sends_none_of_them(tmp_path, peers):
     """The second peer's loss is NaN at one batch, so its accumulated gradient for that epoch is NaN: it logs that it

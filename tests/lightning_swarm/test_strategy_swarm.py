@@ -31,14 +31,6 @@ def assert_close_params(a, b, atol):
         assert torch.allclose(a[name], b[name], atol=atol), (name, (a[name] - b[name]).abs().max())
 
 
-@pytest.fixture
-def peers():
-    started = []
-    yield started
-    for peer in started:
-        peer.kill()
-
-
 def test_two_peers_train_together_with_different_batch_sizes(tmp_path, peers):
     """Two peers (batch 4 and 8) pass several global epochs together, hold the same parameters after each
     averaging (fp16 wire compression), step the LR once per global epoch and publish metrics to the DHT."""
