@@ -15,13 +15,15 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 from hivemind.averaging import DecentralizedAverager
 
+from lightning_swarm.aggregation import all_finite
+
 log = logging.getLogger(__name__)
 
 
 def first_non_finite(tensors: Sequence[torch.Tensor]) -> Optional[int]:
     """Index of the first floating point tensor holding NaN or Inf, or None."""
     for index, tensor in enumerate(tensors):
-        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if isinstance(tensor, torch.Tensor) and not all_finite(tensor):
             return index
     return None
 

@@ -18,6 +18,8 @@ import logging
 import torch
 from hivemind.optim.grad_averager import GradientAverager
 
+from lightning_swarm.aggregation import all_finite
+
 log = logging.getLogger(__name__)
 
 
@@ -45,7 +47,7 @@ class SampleWeightedGradientAverager(GradientAverager):
     @torch.no_grad()
     def _drop_non_finite_gradients(self) -> None:
         with self.get_tensors() as averaged_grads:
-            if all(bool(torch.isfinite(grad).all()) for grad in averaged_grads):
+            if all(all_finite(grad) for grad in averaged_grads):
                 return
             for grad in averaged_grads:
                 grad.zero_()
