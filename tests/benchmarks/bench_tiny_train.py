@@ -24,6 +24,11 @@ step plus start-up and validation.
 
     python tests/benchmarks/bench_tiny_train.py [--threads 1 2] [--repeats 2] [--steps 4] [--clip]
     python tests/benchmarks/bench_tiny_train.py --variants --clip --clip-variants clip_tiny perturbed1  # CLIP only
+
+``--flops`` also counts each DALL-E variant's floating-point operations per step (torch's FlopCounterMode: matmuls,
+convolutions and attention, forward, backward and the reversible layers' recomputation) and measures, in the same
+process and thread count, this CPU's fp32 matmul rate on large square matrices: a step that runs near that rate
+can only get faster by doing fewer operations.
 """
 
 from __future__ import annotations
@@ -60,7 +65,43 @@ def _recipe(name: str, model_class: str | None = None):
     return read_recipe_config(REPO / "configs" / name, model_class=model_class)
 
 
-def dalle_worker(variant: str, threads: int, steps: int, warmup: int) -> dict:
+def matmul_gflops(threads: int, size: int = 2048, repeats: int = 8) -> float:
+    """This CPU's fp32 matmul rate (GFLOP/s) on square `size` matrices with `threads` torch threads."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # warm-up: the library's kernel selection and buffers
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * size**3 * repeats / (time.perf_counter() - start) / 1e9
+
+
+def count_flops(step) -> float:
+    """Floating-point operations of one call of `step`, counted with torch's FlopCounterMode formulas (matmuls,
+    convolutions, attention). Without FlopCounterMode's module tracking: its hooks break the reversible layers'
+    backward, which calls autograd.grad."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
+
+    class CountFlops(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            formula = flop_registry.get(func._overloadpacket)
+            if formula is not None:
+                CountFlops.total += formula(*args, **kwargs, out_val=out)
+            return out
+
+    with CountFlops():
+        step()
+    return float(CountFlops.total)
+
+
+def dalle_worker(variant: str, threads: int, steps: int, warmup: int, flops: bool = False) -> dict:
     """Time training steps of the tiny DALL-E in this process."""
     import torch
 
@@ -89,7 +130,13 @@ def dalle_worker(variant: str, threads: int, steps: int, warmup: int) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return _time_steps(step, steps, warmup, batch_size, model_params=sum(p.numel() for p in model.parameters()))
+    result = _time_steps(step, steps, warmup, batch_size, model_params=sum(p.numel() for p in model.parameters()))
+    if flops:
+        result["gflop_per_step"] = count_flops(step) / 1e9
+        result["gflops"] = result["gflop_per_step"] / result["wall_s_per_step"]
+        result["matmul_gflops"] = matmul_gflops(threads)
+        result["of_matmul_rate"] = result["gflops"] / result["matmul_gflops"]
+    return result
 
 
 def clip_worker(variant: str, threads: int, steps: int, warmup: int) -> dict:
@@ -140,7 +187,7 @@ def _time_steps(step, steps: int, warmup: int, batch_size: int, model_params: in
 
 def measure(args, kind: str, variant: str, threads: int) -> dict:
     command = [sys.executable, __file__, "--worker", kind, "--variant", variant, "--threads", str(threads),
-               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+               "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--flops"] if args.flops else [])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}  # this checkout
     out = subprocess.run(command, check=True, capture_output=True, text=True, cwd=REPO, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -159,12 +206,14 @@ def main():
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     parser.add_argument("--repeats", type=int, default=2, help="measurements of each variant, alternating")
     parser.add_argument("--clip", action="store_true", help="also measure the tiny CLIP's step")
+    parser.add_argument("--flops", action="store_true",
+                        help="also count DALL-E operations per step and measure this CPU's fp32 matmul rate")
     parser.add_argument("--clip-variants", nargs="+", default=["clip_tiny"], choices=list(CLIP_VARIANTS))
     parser.add_argument("--worker", choices=["dalle", "clip"], help=argparse.SUPPRESS)
     parser.add_argument("--variant", default="compact", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "dalle":
-        print(json.dumps(dalle_worker(args.variant, args.threads[0], args.steps, args.warmup)))
+        print(json.dumps(dalle_worker(args.variant, args.threads[0], args.steps, args.warmup, args.flops)))
         return
     if args.worker == "clip":
         print(json.dumps(clip_worker(args.variant, args.threads[0], args.steps, args.warmup)))
@@ -199,6 +248,12 @@ def main():
                      for rows in (results[("clip", variant, threads)], base)]
             print(f"clip threads={threads}: {variant} model + data CPU s per step {total[0]:.3f} "
                   f"= {total[0] / total[1]:.2f}x clip_tiny")
+    for (kind, variant, threads), rows in results.items():
+        if kind == "dalle" and args.flops:
+            print(f"dalle {variant} threads={threads}: {rows[0]['gflop_per_step']:.1f} GFLOP a step, "
+                  f"{statistics.median(r['gflops'] for r in rows):.1f} GFLOP/s = "
+                  f"{statistics.median(r['of_matmul_rate'] for r in rows):.2f} of the fp32 matmul rate "
+                  f"({statistics.median(r['matmul_gflops'] for r in rows):.1f} GFLOP/s on 2048x2048 matrices)")
     for threads in args.threads:
         base = ("dalle", "before", threads)
         if base in results:
