@@ -8,10 +8,18 @@ behind a link of a profile of tests/lightning_swarm/netns_harness.py (datacenter
    2 (g-1)/g x bytes_on_wire each way, with 2 peers the whole encoded size.
 2. state: a newcomer's download (lightning_swarm's verified download) of an uncompressed state, seconds and MB/s,
    and the 1b recipe's state at that rate (its 144M unique fp32 parameters + LAMB8bit's two 8-bit statistics).
+3. recipe: the tiny recipe's samples/s (`python -m recipes.dalle fit --config configs/dalle_tiny.yaml`: its model,
+   batch 16, target_batch_size 32, strategy settings and default codec as shipped; fp32, no validation or
+   checkpoints) of each peer of a 2-peer swarm over shaped links (BENCH_PROFILES, default home), against one peer
+   alone and two unrelated one-peer runs side by side (the same machine load as the swarm). Each peer runs 1 torch
+   thread: a 1-core volunteer. The steady state: BENCH_SECONDS of training from BENCH_WARMUP seconds after the
+   peers' common start (the newcomer has downloaded the state by then), up to the last global step in it.
+   Not in 'all': ~8 min at the defaults (three runs, each the recipe's startup, warm-up and steady state).
 
-Run (root, iproute2):  python tests/benchmarks/bench_network.py [averaging|state|all]
+Run (root, iproute2):  python tests/benchmarks/bench_network.py [averaging|state|all|recipe]
      BENCH_PROFILES=home,poor BENCH_SIZES=25,144 BENCH_ROUNDS=2 python tests/benchmarks/bench_network.py averaging
      BENCH_STATE_MPARAMS=25 python tests/benchmarks/bench_network.py state
+     BENCH_SECONDS=90 BENCH_WARMUP=40 BENCH_PROFILES=home python tests/benchmarks/bench_network.py recipe (defaults)
 The links have no propagation delay and no loss (no netem in this kernel): the figures are bandwidth- and CPU-bound.
 """
 
@@ -19,16 +27,20 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from paths import REPO  # noqa: E402
 
 sys.path.insert(0, str(REPO / "tests" / "lightning_swarm"))
-from netns_harness import PROFILES, shaped_network  # noqa: E402
+from netns_harness import PROFILES, network_harness_available, shaped_network  # noqa: E402
+from recipe_peers import RecipePeer, write_overlay  # noqa: E402
 
 PROFILE_NAMES = os.environ.get("BENCH_PROFILES", "datacenter,home,poor").split(",")
 SIZES_M = [int(size) for size in os.environ.get("BENCH_SIZES", "25,144").split(",")]
@@ -210,15 +222,123 @@ def bench_state() -> None:
               f"{rate / link.bytes_per_second:7.2f} {ONE_B_STATE_BYTES / rate / 60:13.1f}", flush=True)
 
 
+# ----------------------------------------------------------------------------------- the tiny recipe, 2 peers
+RECIPE_PROFILE_NAMES = os.environ.get("BENCH_PROFILES", "home").split(",")
+RECIPE_SECONDS = float(os.environ.get("BENCH_SECONDS", "90"))  # steady state measured per run
+RECIPE_WARMUP = float(os.environ.get("BENCH_WARMUP", "40"))  # from the peers' common start to the steady state
+
+
+class RecipeSteady(NamedTuple):
+    """One recipe peer's steady state: from its "warm" event to its last global step before it stopped."""
+
+    sps: float  # samples/s
+    seconds: float
+    epochs: int  # global epoch at the end of the run
+    steady_epochs: int  # global steps in the steady state
+    peers: int  # most peers its tracker saw in the steady state
+    main_core: float  # cores used by its training thread, warm to end
+    background_core: float  # by everything else it runs (DHT, averagers, p2p daemon, data), warm to end
+
+
+def recipe_steady(events: list) -> RecipeSteady:
+    """The steady state of a peer from the events its SwarmRecorder wrote (warmup_seconds set)."""
+    warm = next(event for event in events if event["kind"] == "warm")
+    end = next(event for event in events if event["kind"] == "end")
+    # up to the last global step, not to the end: a peer whose partner stopped first waits a last round out alone
+    steps = [e for e in events if e["kind"] == "step" and e["time"] > warm["time"] and e["epoch"] > warm["epoch"]]
+    last = steps[-1] if steps else end
+    seconds = last["time"] - warm["time"]
+    peers = max((e["peers"] for e in steps), default=0)
+    cpu_seconds = end["elapsed"] - warm["elapsed"]
+    return RecipeSteady((last["samples"] - warm["samples"]) / seconds, seconds, end["epoch"],
+                        last["epoch"] - warm["epoch"], peers, (end["cpu_main"] - warm["cpu_main"]) / cpu_seconds,
+                        (end["cpu_background"] - warm["cpu_background"]) / cpu_seconds)
+
+
+def run_recipe_peers(root: Path, net, run_ids: list, join: bool) -> list:
+    """One tiny-recipe peer in each namespace of `net`, of the run ids `run_ids` (the later ones join the first if
+    `join`); all start timing together at a barrier (after the newcomer's state download). Returns their
+    RecipeSteady."""
+    recorder = {"stop_at_epoch": 10**9, "max_seconds": RECIPE_WARMUP + RECIPE_SECONDS, "warmup_seconds": RECIPE_WARMUP,
+                "record_params": False, "barrier_dir": str(root / "barrier"), "barrier_count": len(run_ids),
+                "barrier_timeout": 600.0, "wait_for_swarm": join}
+    peers, initial_peers = [], None
+    try:
+        for index, run_id in enumerate(run_ids):
+            out_dir = root / f"peer{index}"
+            out_dir.mkdir(parents=True)
+            strategy = {"run_id": run_id, "host_maddrs": net.host_maddrs(index)}
+            if initial_peers:
+                strategy["initial_peers"] = initial_peers
+            # the shipped data (the shapes dataset cached in ~/.cache), each peer with a shuffle seed of its own
+            overlay = write_overlay(out_dir, strategy, recorder, data={"seed": index}, trainer={"max_steps": 10**6})
+            peers.append(RecipePeer(net, index, out_dir, overlay))
+            if join and initial_peers is None:
+                initial_peers = peers[0].join_peers(timeout=600)
+        for peer in peers:
+            peer.wait(timeout=RECIPE_WARMUP + RECIPE_SECONDS + 900)
+    finally:
+        for peer in peers:
+            peer.kill()
+    return [recipe_steady(peer.events()) for peer in peers]
+
+
+def _steady_text(result: RecipeSteady) -> str:
+    return (f"{result.sps:6.2f} samples/s over {result.seconds:3.0f} s, {result.steady_epochs:3d} global steps "
+            f"(epoch {result.epochs} at the end, {result.peers} peer(s) seen) [training thread "
+            f"{result.main_core:.2f} core, the rest {result.background_core:.2f}]")
+
+
+def bench_recipe() -> None:
+    print(f"== the tiny recipe (configs/dalle_tiny.yaml as shipped: batch 16, target_batch_size 32, default codec; "
+          f"fp32), 1 torch thread per peer; steady state {RECIPE_SECONDS:.0f} s from {RECIPE_WARMUP:.0f} s after the "
+          f"peers' common start\n   'alone x2': two unrelated one-peer runs side by side, the machine load of the "
+          f"2-peer swarm (on 2 cores, two peers leave no spare core for their DHT, averagers and p2p daemons)",
+          flush=True)
+    began = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        for profile in RECIPE_PROFILE_NAMES:
+            root = Path(tmp) / profile
+            print(f"-- {profile}: {PROFILES[profile].rate_mbit:g} Mbit/s each way per peer; load average "
+                  f"{os.getloadavg()[0]:.1f}", flush=True)
+            with shaped_network([profile]) as net:
+                (alone,) = run_recipe_peers(root / "alone", net, ["bench_recipe_alone"], join=False)
+            print(f"alone        peer 0: {_steady_text(alone)}", flush=True)
+            with shaped_network([profile, profile]) as net:
+                side_by_side = run_recipe_peers(root / "alone_x2", net, ["bench_recipe_solo_a", "bench_recipe_solo_b"],
+                                                join=False)
+            for index, result in enumerate(side_by_side):
+                print(f"alone x2     peer {index}: {_steady_text(result)}", flush=True)
+            x2 = sum(result.sps for result in side_by_side) / 2
+            with shaped_network([profile, profile]) as net:
+                swarm = run_recipe_peers(root / "swarm", net, ["bench_recipe_pair"] * 2, join=True)
+            for index, result in enumerate(swarm):
+                print(f"2-peer swarm peer {index}: {_steady_text(result)} -> per peer / alone "
+                      f"{result.sps / alone.sps:.2f}, / alone x2 {result.sps / x2:.2f}", flush=True)
+            total = sum(result.sps for result in swarm)
+            print(f"RESULT {profile}: swarm {total:.2f} samples/s = {total / alone.sps:.2f} x one peer alone "
+                  f"({alone.sps:.2f}), {total / (2 * x2):.2f} x two peers alone side by side ({2 * x2:.2f}); "
+                  f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"wall time {time.monotonic() - began:.0f} s. Left out: propagation delay and loss (tbf only, no netem); "
+          f"the peers of each run share this machine's cores (and with the swarm, also its two p2p daemons)",
+          flush=True)
+
+
 if __name__ == "__main__":
     command = sys.argv[1] if len(sys.argv) > 1 else "all"
     if command == "averaging-peer":
         averaging_peer(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6]))
     elif command == "state-peer":
         state_peer(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    elif network_harness_available():  # not root, or no iproute2
+        print(f"SKIP: {network_harness_available()}", flush=True)
     else:
+        # SIGTERM (e.g. from `timeout`) unwinds like an exception: peers are killed, namespaces deleted
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         print(f"load average at start: {os.getloadavg()}", flush=True)
         if command in ("averaging", "all"):
             bench_averaging()
         if command in ("state", "all"):
             bench_state()
+        if command == "recipe":
+            bench_recipe()

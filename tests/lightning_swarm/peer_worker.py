@@ -138,8 +138,8 @@ def loss_scale(trainer: pl.Trainer) -> dict:
 class SwarmRecorder(pl.Callback):
     """Record parameters and swarm state at every global epoch; stop at `stop_at_epoch` (or after `max_seconds`).
 
-    barrier_dir, barrier_count: before the first step, write a file into `barrier_dir` and wait (up to 90 s) until
-        `barrier_count` peers did, so that peers start together; before the second step, wait until this peer's
+    barrier_dir, barrier_count: before the first step, write a file into `barrier_dir` and wait (up to
+        `barrier_timeout` seconds) until `barrier_count` peers did, so that peers start together; before the second step, wait until this peer's
         progress tracker sees them all (hivemind lists a peer only once it has reported samples), unless
         `wait_for_swarm` is False (peers of different runs that only start together).
     first_step_delay: seconds to sleep after the barrier, before the first step: the other peers report their
@@ -154,10 +154,11 @@ class SwarmRecorder(pl.Callback):
     def __init__(self, out_dir: str, stop_at_epoch: int = 3, max_seconds: float = 120.0,
                  barrier_dir: Optional[str] = None, barrier_count: int = 1, checkpoint_at_stop: Optional[str] = None,
                  wait_for_swarm: bool = True, record_params: bool = True, warmup_seconds: Optional[float] = None,
-                 first_step_delay: float = 0.0):
+                 first_step_delay: float = 0.0, barrier_timeout: float = 90.0):
         self.out_dir = Path(out_dir)
         self.stop_at_epoch, self.max_seconds = stop_at_epoch, max_seconds
         self.barrier_dir, self.barrier_count, self.wait_for_swarm = barrier_dir, barrier_count, wait_for_swarm
+        self.barrier_timeout = barrier_timeout
         self.checkpoint_at_stop, self.record_params = checkpoint_at_stop, record_params
         self.warmup_seconds, self._warm = warmup_seconds, False
         self.first_step_delay = first_step_delay
@@ -191,7 +192,7 @@ class SwarmRecorder(pl.Callback):
         barrier = Path(self.barrier_dir)
         barrier.mkdir(parents=True, exist_ok=True)
         (barrier / str(os.getpid())).touch()
-        deadline = time.perf_counter() + 90
+        deadline = time.perf_counter() + self.barrier_timeout
         while len(list(barrier.iterdir())) < self.barrier_count and time.perf_counter() < deadline:
             time.sleep(0.05)
 

@@ -5,26 +5,18 @@ links (10 Mbit/s) with a smaller model of the same recipe, so that the case cost
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-import yaml
 from safetensors.torch import load_file
 
+import recipe_peers
 from netns_harness import network_harness_available, shaped_network
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(bool(network_harness_available()), reason=network_harness_available() or "ok")]
 
-REPO = Path(__file__).resolve().parents[2]
-JOIN_OPTION = re.compile(r"--trainer\.strategy\.init_args\.initial_peers='(\[.*?\])'")
 STEP_BEGINS = re.compile(r"Beginning optimizer step #(\d+)")
 # a round that left a peer with values of its own for some part: hivemind's partial result ("Averaging: received
 # 89.7% results"), a failed or skipped gradient round, a refused reducer result or sender part (ours)
@@ -54,47 +46,15 @@ def recipe_overlay(out_dir: Path, data_dir: Path, barrier_dir: Path, host_maddrs
                 "verbose": True}
     if initial_peers:
         strategy["initial_peers"] = initial_peers
-    overlay = {
-        "trainer": {
-            "precision": "32-true", "max_steps": 200, "num_sanity_val_steps": 0, "limit_val_batches": 0,
-            "enable_progress_bar": False, "enable_checkpointing": False, "logger": False,
-            "default_root_dir": str(out_dir),
-            "strategy": {"init_args": strategy},
-            "callbacks": [{"class_path": "peer_worker.SwarmRecorder",
-                           "init_args": {"out_dir": str(out_dir), "stop_at_epoch": STOP_AT_EPOCH, "max_seconds": 400,
-                                         "barrier_dir": str(barrier_dir), "barrier_count": 2}}],
-        },
-        "data": {"init_args": {"batch_size": 8, "num_shapes_train": 256, "num_shapes_val": 16, "shuffle_buffer": 16,
-                               "data_dir": str(data_dir), "seed": 0}},
-    }
-    if model:
-        overlay["model"] = {"init_args": model}
-    path = out_dir / "overlay.yaml"
-    path.write_text(yaml.safe_dump(overlay))
-    return path
+    recorder = {"stop_at_epoch": STOP_AT_EPOCH, "max_seconds": 400, "barrier_dir": str(barrier_dir),
+                "barrier_count": 2}
+    data = {"batch_size": 8, "num_shapes_train": 256, "num_shapes_val": 16, "shuffle_buffer": 16,
+            "data_dir": str(data_dir), "seed": 0}
+    return recipe_peers.write_overlay(out_dir, strategy, recorder, data, model=model, trainer={"max_steps": 200})
 
 
-class RecipePeer:
-    """`python -m recipes.dalle fit` inside a namespace; its log, recorded events and parameters."""
-
-    def __init__(self, net, index: int, out_dir: Path, overlay: Path):
-        self.out_dir = out_dir
-        self.log_path = out_dir / "log.txt"
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), str(REPO)]),
-                   PEER_TORCH_THREADS="1", OMP_NUM_THREADS="1")
-        env.pop("LIGHTNING_SWARM_INITIAL_PEERS", None)
-        self._log = open(self.log_path, "w")
-        argv = [sys.executable, "-m", "recipes.dalle", "fit", "--config", str(REPO / "configs/dalle_tiny.yaml"),
-                "--config", str(overlay)]
-        self.process = subprocess.Popen(net.command(index, argv), stdout=self._log, stderr=subprocess.STDOUT,
-                                        env=env, cwd=REPO, start_new_session=True)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def events(self) -> list:
-        path = self.out_dir / "events.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+class RecipePeer(recipe_peers.RecipePeer):
+    """A recipe peer (recipe_peers.RecipePeer), its parameters and what its log says about its averaging rounds."""
 
     def params(self, epoch: int) -> dict:
         return load_file(str(self.out_dir / f"params_{epoch}.safetensors"))
@@ -118,31 +78,6 @@ class RecipePeer:
                 complete.discard(step)
                 step = None  # anything later in this step is not trusted either
         return complete
-
-    def join_peers(self, timeout: float) -> list:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            match = JOIN_OPTION.search(self.log())
-            if match:
-                return json.loads(match.group(1))
-            assert self.process.poll() is None, self.log()[-4000:]
-            time.sleep(0.5)
-        raise TimeoutError(self.log()[-4000:])
-
-    def wait(self, timeout: float) -> None:
-        try:
-            code = self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise TimeoutError(f"still running after {timeout} s:\n{self.log()[-4000:]}") from None
-        assert code == 0, self.log()[-4000:]
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.process.wait(timeout=30)
-        self._log.close()
 
 
 # the poor case adds ~2 min to the suite (two recipe startups, most of it; its training takes ~15 s): marked so that
