@@ -235,7 +235,7 @@ class RecipeSteady(NamedTuple):
     seconds: float
     epochs: int  # global epoch at the end of the run
     steady_epochs: int  # global steps in the steady state
-    peers: int  # most peers its tracker saw in the steady state
+    peers: str  # fewest-most peers its tracker saw at the global steps of the steady state
     main_core: float  # cores used by its training thread, warm to end
     background_core: float  # by everything else it runs (DHT, averagers, p2p daemon, data), warm to end
 
@@ -248,7 +248,8 @@ def recipe_steady(events: list) -> RecipeSteady:
     steps = [e for e in events if e["kind"] == "step" and e["time"] > warm["time"] and e["epoch"] > warm["epoch"]]
     last = steps[-1] if steps else end
     seconds = last["time"] - warm["time"]
-    peers = max((e["peers"] for e in steps), default=0)
+    counts = sorted({e["peers"] for e in steps}) or [0]
+    peers = f"{counts[0]}-{counts[-1]}" if len(counts) > 1 else str(counts[0])
     cpu_seconds = end["elapsed"] - warm["elapsed"]
     return RecipeSteady((last["samples"] - warm["samples"]) / seconds, seconds, end["epoch"],
                         last["epoch"] - warm["epoch"], peers, (end["cpu_main"] - warm["cpu_main"]) / cpu_seconds,
