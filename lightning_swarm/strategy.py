@@ -41,6 +41,7 @@ from lightning_swarm.peers import check_listen_maddrs, resolve_initial_peers
 from lightning_swarm.scheduler import GlobalEpochScheduler
 from lightning_swarm.strategy_options import check_strategy_options, check_trainer_for_swarm, hivemind_optimizer_options
 from lightning_swarm.swarm_optimizer import build_swarm_optimizer, join_swarm, scheduler_factory
+from lightning_swarm.worker_momentum import check_worker_momentum
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,10 @@ class HivemindStrategy(SingleDeviceStrategy):
         centered_clip_tau: CenteredClip's clipping radius (L2 norm per all-reduce part of 2**19 bytes); default
             None: adaptive, the weighted median of the senders' distances to the current estimate.
         centered_clip_iters: at most this many CenteredClip iterations per part.
+        worker_momentum: beta in [0, 1), default 0 (off). If > 0, before each gradient averaging round this peer
+            replaces its accumulated (sample-mean) gradient g by its momentum m = beta * m + (1 - beta) * g
+            (bias-corrected) and sends that; the optimizer steps on the average. With CenteredClip this shrinks what a
+            Byzantine peer can move (docs/security.md, :mod:`lightning_swarm.worker_momentum`).
         averager_opts: extra keyword arguments for hivemind's averagers (e.g. ``{"request_timeout": 1.0}``), plus
             ``leader_poll_interval``: minimum seconds between two DHT reads of the averagers looking for a group
             (default: a tenth of matchmaking_time, at most 0.5 s; hivemind itself polls without pause).
@@ -153,6 +158,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         aggregation: str = "mean",
         centered_clip_tau: Optional[float] = None,
         centered_clip_iters: int = DEFAULT_CENTERED_CLIP_ITERS,
+        worker_momentum: float = 0.0,
         averager_opts: Optional[Dict[str, Any]] = None,
         tracker_opts: Optional[Dict[str, Any]] = None,
         publish_metrics: bool = True,
@@ -176,6 +182,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             load_state_compression=load_state_compression,
         )
         check_aggregation_options(aggregation, centered_clip_tau, centered_clip_iters)
+        self.worker_momentum = check_worker_momentum(worker_momentum)
 
         self.run_id = run_id
         self.robust_averaging_opts = dict(aggregation=aggregation, centered_clip_tau=centered_clip_tau,
@@ -321,7 +328,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             make_scheduler=make_scheduler, swarm_auth=self.swarm_auth, compression=self.compression,
             load_state_compression=self.load_state_compression, grad_averager_class=self.grad_averager_class,
             robust_averaging_opts=self.robust_averaging_opts, hivemind_kwargs=self._hivemind_kwargs,
-            link_mbit=self.link_mbit, overrides=overrides,
+            link_mbit=self.link_mbit, overrides=overrides, worker_momentum=self.worker_momentum,
         )
 
     def on_train_start(self) -> None:

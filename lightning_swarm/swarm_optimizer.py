@@ -61,6 +61,7 @@ def build_swarm_optimizer(
     hivemind_kwargs: Dict[str, Any],
     link_mbit: Optional[float],
     overrides: Dict[str, Any],
+    worker_momentum: float = 0.0,
 ) -> SwarmOptimizer:
     """A SwarmOptimizer around ``optimizer`` and its LR schedule.
 
@@ -75,6 +76,7 @@ def build_swarm_optimizer(
         hivemind_kwargs: hivemind.Optimizer arguments from the strategy's options (``hivemind_optimizer_options``).
         link_mbit: the strategy's option: the averaging timeouts are fitted to it (:mod:`lightning_swarm.link_budget`).
         overrides: hivemind.Optimizer arguments that replace those (the monitor sets ``use_local_updates=True``...).
+        worker_momentum: the strategy's option, for the gradient averager (SampleWeightedGradientAverager).
     """
     swarm_compression.register_fixed_codecs()  # before the averagers start: peers may send any 8-bit codec
     codec = swarm_compression.resolve_compression(compression)
@@ -96,7 +98,8 @@ def build_swarm_optimizer(
     # hivemind passes averager_opts to the state averager only; the gradient averager needs them too
     # (with local updates there is no gradient averager, and hivemind refuses a factory for it)
     grad_averager_factory = None if kwargs["use_local_updates"] else functools.partial(
-        grad_averager_class, progress_key=progress_key(run_id), **robust_averaging_opts, **kwargs["averager_opts"])
+        grad_averager_class, progress_key=progress_key(run_id), worker_momentum=worker_momentum,
+        **robust_averaging_opts, **kwargs["averager_opts"])
     return SwarmOptimizer(
         dht=dht,
         run_id=run_id,

@@ -27,9 +27,11 @@ Every private name used is listed in :data:`~lightning_swarm.hivemind_ext.privat
     - ``ProgressTracker.should_report_progress``: replaced by a throttled event.
     - ``ProgressTracker.shutdown_triggered``, ``global_state_updated``, ``shutdown_complete``,
       ``training_progress_key``, ``metadata_expiration``: a shutdown that waits for the "left the run" record.
-``grad_averager`` (gradients averaged per sample, not per local step)
+``grad_averager`` (gradients averaged per sample, not per local step; worker momentum)
     - ``GradientAverager._anchor_batch_size``, ``GradientAverager._grad_accumulators``,
       ``GradientAverager.local_samples_accumulated``, ``GradientAverager.load_accumulators_into_averager_``.
+    - ``GradientAverager.reset_accumulated_grads_``: extended, so that the worker momentum (``worker_momentum``)
+      moves once per accumulation although hivemind may load the same accumulators twice (a peer alone).
 ``robust_allreduce`` (screened all-reduce, CenteredClip; see that module)
     - ``TensorPartReducer``: ``reset_accumulators``, ``accumulate_part``, ``check_current_part_finished`` and
       ``finalize`` overridden on hivemind's reducer state ``current_part_index``, ``current_part_accumulated_from``,

@@ -117,6 +117,7 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
     + _symbols("hivemind.optim.grad_averager", "grad_averager", [
         ("GradientAverager._grad_accumulators", "read to load the sample-weighted mean into the averager"),
         ("GradientAverager.load_accumulators_into_averager_", "overridden: mean over samples, not local steps"),
+        ("GradientAverager.reset_accumulated_grads_", "extended: a new accumulation moves the worker momentum again"),
     ])
     + _symbols("hivemind.optim.grad_averager", "grad_averager", [
         ("GradientAverager._anchor_batch_size", "the batch size hivemind scales accumulated gradients by"),

@@ -11,11 +11,14 @@
    other processes on a shared machine).
 3. attacks: the honest peers' validation loss in a 3-peer HivemindStrategy swarm (tests/lightning_swarm/byzantine.py:
    tiny regression, 4 global epochs) without an attacker and with a third peer that sends gradients x1e3, NaN
-   gradients, or claims weight 1e9 with negated gradients; each with aggregation="mean" and "centered_clip".
+   gradients, or claims weight 1e9 with negated gradients; each with aggregation="mean" and "centered_clip", and
+   with each worker momentum of BENCH_WORKER_MOMENTA (default 0: off), attacker included.
 
 Run: python tests/benchmarks/bench_robust_averaging.py [round|part|attacks|all]
      BENCH_REPEATS=5 BENCH_ROUNDS=3 python tests/benchmarks/bench_robust_averaging.py round   (5 x 3 rounds each)
      BENCH_AGGREGATIONS=mean python tests/benchmarks/bench_robust_averaging.py attacks
+     BENCH_AGGREGATIONS=centered_clip BENCH_WORKER_MOMENTA=0,0.9 BENCH_ATTACKS=none,weight \
+         python tests/benchmarks/bench_robust_averaging.py attacks
 The machine is shared (2 cores, 3 peers): say what else ran when quoting the figures.
 """
 
@@ -145,19 +148,23 @@ def bench_attacks() -> None:
     from byzantine import run_swarm, validation_loss
 
     aggregations = os.environ.get("BENCH_AGGREGATIONS", "mean,centered_clip").split(",")
+    momenta = [float(beta) for beta in os.environ.get("BENCH_WORKER_MOMENTA", "0").split(",")]
+    attacks = os.environ.get("BENCH_ATTACKS", "none,scale,nan,weight").split(",")
+    columns = [(aggregation, beta) for aggregation in aggregations for beta in momenta]
     print(f"\nhonest peers' validation loss after 4 global epochs (initialisation: {validation_loss():.3f})")
-    print(f"  {'attack':>8} | " + " | ".join(f"{aggregation:>22}" for aggregation in aggregations))
-    for attack in (None, "scale", "nan", "weight"):
+    print(f"  {'attack':>8} | " + " | ".join(f"{f'{aggregation} m={beta:g}':>22}" for aggregation, beta in columns))
+    for attack in attacks:
         cells = []
-        for aggregation in aggregations:
+        for aggregation, beta in columns:
             with tempfile.TemporaryDirectory() as root:
                 try:
-                    params, _ = run_swarm(Path(root), attack, aggregation)
+                    params, _ = run_swarm(Path(root), None if attack == "none" else attack, aggregation,
+                                          worker_momentum=beta)
                     losses = [validation_loss(p) for p in params]
                     cells.append(" / ".join(f"{loss:.4g}" for loss in losses))
                 except Exception as e:  # an attack that stops the honest peers is a result too
                     cells.append(f"failed: {type(e).__name__}")
-        print(f"  {attack or 'none':>8} | " + " | ".join(f"{cell:>22}" for cell in cells), flush=True)
+        print(f"  {attack:>8} | " + " | ".join(f"{cell:>22}" for cell in cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -80,8 +80,9 @@ SWARM_MODEL = {"lr": 0.05, "lr_decay": 1.0, "step_delay": 0.01}
 SWARM_TARGET_BATCH_SIZE = 384
 
 
-def swarm_strategy_args(run_id: str, aggregation: str, **overrides) -> dict:
+def swarm_strategy_args(run_id: str, aggregation: str, worker_momentum: float = 0.0, **overrides) -> dict:
     args = dict(run_id=run_id, target_batch_size=SWARM_TARGET_BATCH_SIZE, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                worker_momentum=worker_momentum,
                 matchmaking_time=1.5, averaging_timeout=15.0, load_state_timeout=20.0, metrics_interval=1.0,
                 aggregation=aggregation,
                 tracker_opts={"max_refresh_period": 1.0, "min_refresh_period": 0.2, "default_refresh_period": 0.5})
@@ -89,25 +90,27 @@ def swarm_strategy_args(run_id: str, aggregation: str, **overrides) -> dict:
     return args
 
 
-def run_swarm(root: Path, attack: Optional[str], aggregation: str = "centered_clip",
-              timeout: float = 150.0) -> Tuple[List[Dict[str, torch.Tensor]], List[str]]:
+def run_swarm(root: Path, attack: Optional[str], aggregation: str = "centered_clip", timeout: float = 150.0,
+              worker_momentum: float = 0.0) -> Tuple[List[Dict[str, torch.Tensor]], List[str]]:
     """Train 3 peers to STOP_AT_EPOCH, the third attacking with ``attack`` (None: honest); return the two honest
-    peers' parameters at that epoch and their logs. Every peer is killed on return."""
+    peers' parameters at that epoch and their logs. Every peer (the attacker too: it then negates, scales or
+    replaces its momentum) uses ``worker_momentum``. Every peer is killed on return."""
     from swarm_harness import Peer
 
     recorder = {"stop_at_epoch": STOP_AT_EPOCH, "max_seconds": 100, "barrier_dir": str(root / "barrier"),
                 "barrier_count": 3}
-    run_id = f"byz_{attack or 'none'}_{aggregation}"
+    run_id = f"byz_{attack or 'none'}_{aggregation}_m{worker_momentum * 100:.0f}"  # no '.': hivemind refuses it
     started = []
     try:
-        first = Peer(root, "first", swarm_strategy_args(run_id, aggregation), model=SWARM_MODEL,
-                     data={"batch_size": 16}, recorder=recorder)
+        strategy = swarm_strategy_args(run_id, aggregation, worker_momentum)
+        first = Peer(root, "first", strategy, model=SWARM_MODEL, data={"batch_size": 16}, recorder=recorder)
         started.append(first)
         join = first.join_peers()
-        second = Peer(root, "second", swarm_strategy_args(run_id, aggregation, initial_peers=join), model=SWARM_MODEL,
+        strategy = dict(strategy, initial_peers=join)
+        second = Peer(root, "second", strategy, model=SWARM_MODEL,
                       data={"batch_size": 16, "offset": 30_000}, recorder=recorder)
         started.append(second)
-        third_strategy = swarm_strategy_args(run_id, aggregation, initial_peers=join)
+        third_strategy = strategy
         trainer = None
         if attack is not None:
             trainer = {"strategy": {"class_path": "byzantine.ByzantineStrategy",
