@@ -100,8 +100,8 @@ class HivemindStrategy(SingleDeviceStrategy):
         centered_clip_iters: at most this many CenteredClip iterations per part.
         worker_momentum: beta in [0, 1), default 0 (off). If > 0, before each gradient averaging round this peer
             replaces its accumulated (sample-mean) gradient g by its momentum m = beta * m + (1 - beta) * g
-            (bias-corrected) and sends that; the optimizer steps on the average. With CenteredClip this shrinks what a
-            Byzantine peer can move (docs/security.md, :mod:`lightning_swarm.worker_momentum`).
+            (bias-corrected; one more gradient-sized buffer) and sends that; the optimizer steps on the average. With
+            CenteredClip it shrinks what a Byzantine peer can move (docs/security.md, module worker_momentum).
         averager_opts: extra keyword arguments for hivemind's averagers (e.g. ``{"request_timeout": 1.0}``), plus
             ``leader_poll_interval``: minimum seconds between two DHT reads of the averagers looking for a group
             (default: a tenth of matchmaking_time, at most 0.5 s; hivemind itself polls without pause).

@@ -10,8 +10,8 @@ It also never sends (nor applies alone) a non-finite gradient: if the accumulate
 (a diverged loss, a bad batch), the peer sends zeros with weight 0 for this epoch, i.e. it tags along and takes the
 others' average, and says so in the log.
 
-With ``worker_momentum=beta`` (> 0) the peer sends its bias-corrected momentum of these sample-mean gradients
-(:mod:`lightning_swarm.worker_momentum`) instead of the latest one: the round's average, which the optimizer steps on,
+With ``worker_momentum=beta`` (> 0) the peer sends its momentum of these sample-mean gradients, each epoch's weighted
+by its samples and bias-corrected (:mod:`lightning_swarm.worker_momentum`), instead of the latest one: the round's average, which the optimizer steps on,
 is then an average of momenta. Only a finite gradient enters the momentum (a dropped one leaves it as it was), and the
 momentum moves once per accumulation, however often hivemind reloads the accumulators into the averager. A peer's
 momentum starts at zero when it starts and after it downloads the swarm's state (a newcomer, or a peer that fell
@@ -67,7 +67,7 @@ class SampleWeightedGradientAverager(GradientAverager):
                 if self._momentum_took_accumulators:  # hivemind reloads the same accumulators (peer alone)
                     self.worker_momentum.write_(averaged_grads)
                 else:
-                    self.worker_momentum.update_(averaged_grads)
+                    self.worker_momentum.update_(averaged_grads, self.local_samples_accumulated)
                     self._momentum_took_accumulators = True
 
     @torch.no_grad()

@@ -60,7 +60,7 @@ def train(optimizer_name: str, epochs: int, beta: float, attack: bool, start: in
                 torch.nn.functional.mse_loss(model.net(x[i:i + BATCH_SIZE]), y[i:i + BATCH_SIZE]).backward()
                 gradient += torch.cat([p.grad.reshape(-1) for p in params]) / (SAMPLES_PER_PEER // BATCH_SIZE)
             if momentum is not None:
-                momentum.update_([gradient])
+                momentum.update_([gradient], SAMPLES_PER_PEER)
             messages.append(gradient)
         if attack:
             messages[2] = -messages[2]

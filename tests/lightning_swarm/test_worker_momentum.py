@@ -40,31 +40,35 @@ def _send(averager, parameter, batches):
     return first, weight
 
 
-def test_a_peer_sends_its_bias_corrected_momentum_and_a_nan_gradient_leaves_it_alone(averager):
+def test_a_peer_sends_its_sample_weighted_momentum_and_a_nan_gradient_leaves_it_alone(averager):
     averager, parameter = averager
     g1 = torch.tensor([1.0, -2.0, 4.0])
     g2 = torch.tensor([3.0, 0.0, -4.0])
-    # the sample-weighted mean of the epoch's steps goes into the momentum: (1 * 4 + 3 * 12) / 16 = 2.5 = g1' below
-    sent, weight = _send(averager, parameter, [([1.0, -2.0, 4.0], 4), ([1.0, -2.0, 4.0], 12)])
+    sent, weight = _send(averager, parameter, [(g1.tolist(), 4), (g1.tolist(), 12)])  # 2 local steps, 16 samples
     assert weight == 16
     assert torch.allclose(sent, g1)  # the first message is the first gradient (bias-corrected), not (1 - beta) * g1
 
+    # each epoch's gradient enters with its samples: S = beta * S + n * g, N = beta * N + n, the peer sends S / N
     sent, weight = _send(averager, parameter, [(g2.tolist(), 8)])
-    m2 = BETA * (1 - BETA) * g1 + (1 - BETA) * g2
-    assert weight == 8 and torch.allclose(sent, m2 / (1 - BETA ** 2))
+    s2, n2 = BETA * 16 * g1 + 8 * g2, BETA * 16 + 8
+    assert weight == 8 and torch.allclose(sent, s2 / n2)
 
     sent, weight = _send(averager, parameter, [([float("nan"), 0.0, 0.0], 8)])
     assert weight == 0 and torch.equal(sent, torch.zeros(3))  # dropped: zeros with weight 0, as without momentum
 
     g3 = torch.tensor([0.0, 1.0, 0.0])
     sent, weight = _send(averager, parameter, [(g3.tolist(), 8)])
-    m3 = BETA * m2 + (1 - BETA) * g3  # the NaN epoch did not enter the momentum
-    assert weight == 8 and torch.allclose(sent, m3 / (1 - BETA ** 3))
+    s3, n3 = BETA * s2 + 8 * g3, BETA * n2 + 8  # the NaN epoch did not enter the momentum
+    assert weight == 8 and torch.allclose(sent, s3 / n3)
     assert averager.worker_momentum.updates == 3
 
+    # with equal epochs it is the paper's momentum m = beta * m + (1 - beta) * g, bias-corrected: m / (1 - beta**t)
     averager.load_state_from_peers()  # a peer that downloads the swarm's state starts its momentum anew
-    sent, _ = _send(averager, parameter, [(g2.tolist(), 8)])
-    assert torch.allclose(sent, g2)
+    m = torch.zeros(3)
+    for t, gradient in enumerate([g2, g3, g1], start=1):
+        sent, _ = _send(averager, parameter, [(gradient.tolist(), 8)])
+        m = BETA * m + (1 - BETA) * gradient
+        assert torch.allclose(sent, m / (1 - BETA ** t))
 
 
 @pytest.mark.parametrize("beta", [1.0, -0.1, "0.9", True, float("nan")])
