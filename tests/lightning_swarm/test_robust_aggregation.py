@@ -36,6 +36,43 @@ def test_centered_clip_equals_the_mean_of_identical_honest_parts_and_resists_an_
         assert (plain - reference).norm() > 10 * (robust - reference).norm()
 
 
+def reference_centered_clip(parts, weights, tau=None, iters=20, tolerance=1e-4):
+    """CenteredClip written out on the vectors themselves, in float64 (what centered_clip computes on coefficients)."""
+    rows = [part.double() for part in parts]
+    w = torch.tensor(weights, dtype=torch.float64)
+    w = torch.minimum(w, w.median())
+    w = w / w.sum()
+    estimate = torch.stack(rows).median(dim=0).values if len(rows) > 2 else w[0] * rows[0] + w[1] * rows[1]
+    for _ in range(iters):
+        diffs = torch.stack([row - estimate for row in rows])
+        norms = diffs.norm(dim=1)
+        if tau is None:  # the weighted median of the distances
+            order = torch.argsort(norms)
+            radius = norms[order[int(torch.searchsorted(torch.cumsum(w[order], 0), torch.tensor(0.5 - 1e-6,
+                                                                                        dtype=torch.float64)))]]
+        else:
+            radius = torch.tensor(tau, dtype=torch.float64)
+        scale = torch.where(norms > radius, radius / norms, torch.ones_like(norms))
+        step = (w * scale) @ diffs
+        estimate = estimate + step
+        if step.norm() <= tolerance * estimate.norm():
+            break
+    return estimate.float()
+
+
+@pytest.mark.parametrize("tau", [None, 0.5])
+@pytest.mark.parametrize("case", ["honest", "scaled", "negated", "five"])
+def test_centered_clip_computed_on_coefficients_equals_the_iteration_on_the_vectors(case, tau):
+    parts = honest_parts(5 if case == "five" else 3, size=4096, seed=1)
+    if case == "scaled":
+        parts[2] = parts[2] * 1e3
+    elif case in ("negated", "five"):
+        parts[-1] = -parts[-1] * 3
+    weights = [1.0, 2.0, 1.0, 1.0, 3.0][:len(parts)]
+    expected = reference_centered_clip(parts, weights, tau=tau)
+    assert (centered_clip(parts, weights, tau=tau) - expected).norm() <= 1e-5 * expected.norm()
+
+
 def test_centered_clip_with_a_fixed_tau_moves_at_most_tau_per_iteration():
     parts = [torch.zeros(10), torch.zeros(10), torch.full((10,), 100.0)]
     result = centered_clip(parts, [1.0, 1.0, 1.0], tau=1.0, iters=5)
