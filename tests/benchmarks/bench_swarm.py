@@ -22,6 +22,7 @@ Run: python tests/benchmarks/bench_swarm.py [averaging|throughput|all|peers]
      BENCH_TARGET=16384 BENCH_SECONDS=60 BENCH_WARMUP=15 python tests/benchmarks/bench_swarm.py throughput  (~4 s epochs)
      BENCH_MATCHMAKING_TIME=1.0 python tests/benchmarks/bench_swarm.py throughput     (matchmaking_time, default 2 s)
      BENCH_REPEATS=3 python tests/benchmarks/bench_swarm.py throughput   (3 interleaved repeats, median ratios)
+     BENCH_PEER_COUNTS=4 BENCH_KEEP_DIR=/tmp/peers python tests/benchmarks/bench_swarm.py peers   (logs kept, verbose)
      BENCH_PIN=1 python tests/benchmarks/bench_swarm.py throughput   (each peer with all its processes on its own core,
                                                                      like one peer per 1-core machine; alone too)
 The machine is shared (2 cores): run it when nothing else runs, the ratio moves a lot with background load. The host
@@ -128,6 +129,9 @@ MATCHMAKING_TIME = float(os.environ.get("BENCH_MATCHMAKING_TIME", "2.0"))
 AVERAGE_STATE_EVERY = int(os.environ.get("BENCH_AVERAGE_STATE_EVERY", "1"))
 REPEATS = int(os.environ.get("BENCH_REPEATS", "1"))  # alone / alone x2 / swarm, interleaved, this many times
 PEER_COUNTS = [int(n) for n in os.environ.get("BENCH_PEER_COUNTS", "1,2,4").split(",")]  # mode "peers"
+# mode "peers": keep each peer's directory (config, log, events) under this directory, with hivemind's round outcomes
+# in the logs (verbose), instead of a temporary directory
+KEEP_DIR = os.environ.get("BENCH_KEEP_DIR")
 MODEL = {"in_dim": 1024, "hidden": 4096, "lr": 0.01, "lr_decay": 1.0}  # peer_worker.TinyRegression's MLP
 DATA = {"batch_size": 64, "in_dim": 1024, "num_samples": 30_000}
 
@@ -147,7 +151,7 @@ def _run_peers(root: Path, specs: list, seconds: float, join: bool) -> list[Peer
 
     overlap = dict(delay_optimizer_step=True, delay_grad_averaging=True, delay_state_averaging=True,
                    matchmaking_time=MATCHMAKING_TIME, averaging_timeout=30.0, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                   metrics_interval=5.0, average_state_every=AVERAGE_STATE_EVERY)
+                   metrics_interval=5.0, average_state_every=AVERAGE_STATE_EVERY, verbose=bool(KEEP_DIR))
     recorder = {"stop_at_epoch": 100_000, "max_seconds": seconds, "barrier_dir": str(root / "barrier"),
                 "barrier_count": len(specs), "wait_for_swarm": join, "record_params": False, "warmup_seconds": WARMUP}
     peers = []
@@ -234,6 +238,7 @@ def bench_peers(seconds: float = SECONDS) -> None:
           f"{seconds:.0f} s per run, steady state from {WARMUP:.0f} s; load average at start {os.getloadavg()[0]:.1f}")
     print("   N  peer   samples/s steady  global epochs (steady)  background core  background CPU s per epoch")
     with tempfile.TemporaryDirectory() as tmp:
+        tmp = KEEP_DIR or tmp
         for count in PEER_COUNTS:
             specs = [(f"peer{i}", f"bench_peers_{count}", 30_000 * i) for i in range(count)]
             results = _run_peers(Path(tmp) / f"n{count}", specs, seconds, join=count > 1)
