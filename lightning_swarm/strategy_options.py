@@ -34,8 +34,9 @@ def check_strategy_options(
     load_state_compression: Any,
 ) -> None:
     """Raise ValueError naming the first bad option (the arguments are HivemindStrategy's, same meaning)."""
-    if not isinstance(run_id, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]+", run_id):
-        raise ValueError(f"run_id must be a non-empty name of letters, digits, '_', '.', '-', got {run_id!r}")
+    # no '.': hivemind builds its averagers' DHT prefixes from the run id and refuses a '.' in them
+    if not isinstance(run_id, str) or not re.fullmatch(r"[A-Za-z0-9_\-]+", run_id):
+        raise ValueError(f"run_id must be a non-empty name of letters, digits, '_' and '-', got {run_id!r}")
     if isinstance(target_batch_size, bool) or not isinstance(target_batch_size, int) or target_batch_size <= 0:
         raise ValueError(f"target_batch_size must be a positive integer, got {target_batch_size!r}")
     for name, value in dict(matchmaking_time=matchmaking_time, averaging_timeout=averaging_timeout,

@@ -28,6 +28,7 @@ PEER = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWArQAx4zYSmHJMxr7inBhM9DWVPcPa8S6Soo
         (dict(announce_maddrs=[PEER]), "must not contain '/p2p/"),
         (dict(target_batch_size=0), "target_batch_size"),
         (dict(run_id="has space"), "run_id"),
+        (dict(run_id="v1.2"), "run_id must be a non-empty name of letters, digits, '_' and '-'"),
         (dict(delay_grad_averaging=True, delay_optimizer_step=False), "requires delay_optimizer_step"),
         (dict(delay_optimizer_step=True, offload_optimizer=False), "offload_optimizer"),
         (dict(reuse_grad_buffers=True, delay_grad_averaging=True), "reuse_grad_buffers"),
