@@ -23,6 +23,7 @@ Run: python tests/benchmarks/bench_swarm.py [averaging|throughput|all|peers]
      BENCH_MATCHMAKING_TIME=1.0 python tests/benchmarks/bench_swarm.py throughput     (matchmaking_time, default 2 s)
      BENCH_REPEATS=3 python tests/benchmarks/bench_swarm.py throughput   (3 interleaved repeats, median ratios)
      BENCH_PEER_COUNTS=4 BENCH_KEEP_DIR=/tmp/peers python tests/benchmarks/bench_swarm.py peers   (logs kept, verbose)
+     BENCH_OVERLAP=0 BENCH_TARGET=8192 BENCH_PEER_COUNTS=4 python tests/benchmarks/bench_swarm.py peers   (synchronous)
      BENCH_PIN=1 python tests/benchmarks/bench_swarm.py throughput   (each peer with all its processes on its own core,
                                                                      like one peer per 1-core machine; alone too)
 The machine is shared (2 cores): run it when nothing else runs, the ratio moves a lot with background load. The host
@@ -132,6 +133,9 @@ PEER_COUNTS = [int(n) for n in os.environ.get("BENCH_PEER_COUNTS", "1,2,4").spli
 # mode "peers": keep each peer's directory (config, log, events) under this directory, with hivemind's round outcomes
 # in the logs (verbose), instead of a temporary directory
 KEEP_DIR = os.environ.get("BENCH_KEEP_DIR")
+# BENCH_OVERLAP=0: synchronous rounds (no delay_optimizer_step / delay_grad_averaging / delay_state_averaging)
+OVERLAP = os.environ.get("BENCH_OVERLAP", "1") == "1"
+LEADER_POLL_INTERVAL = os.environ.get("BENCH_LEADER_POLL_INTERVAL")  # seconds; unset: the strategy's default
 MODEL = {"in_dim": 1024, "hidden": 4096, "lr": 0.01, "lr_decay": 1.0}  # peer_worker.TinyRegression's MLP
 DATA = {"batch_size": 64, "in_dim": 1024, "num_samples": 30_000}
 
@@ -149,9 +153,11 @@ def _run_peers(root: Path, specs: list, seconds: float, join: bool) -> list[Peer
     All peers start timing together, at a barrier."""
     from swarm_harness import Peer
 
-    overlap = dict(delay_optimizer_step=True, delay_grad_averaging=True, delay_state_averaging=True,
+    overlap = dict(delay_optimizer_step=OVERLAP, delay_grad_averaging=OVERLAP, delay_state_averaging=OVERLAP,
                    matchmaking_time=MATCHMAKING_TIME, averaging_timeout=30.0, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                    metrics_interval=5.0, average_state_every=AVERAGE_STATE_EVERY, verbose=bool(KEEP_DIR))
+    if LEADER_POLL_INTERVAL is not None:
+        overlap["averager_opts"] = {"leader_poll_interval": float(LEADER_POLL_INTERVAL)}
     recorder = {"stop_at_epoch": 100_000, "max_seconds": seconds, "barrier_dir": str(root / "barrier"),
                 "barrier_count": len(specs), "wait_for_swarm": join, "record_params": False, "warmup_seconds": WARMUP}
     peers = []
