@@ -12,8 +12,9 @@ others' average, and says so in the log.
 
 With ``worker_momentum=beta`` (> 0) the peer sends its momentum of these sample-mean gradients, each epoch's weighted
 by its samples and bias-corrected (:mod:`lightning_swarm.worker_momentum`), instead of the latest one: the round's
-average, which the optimizer steps on, is then an average of momenta. Only a finite gradient enters the momentum (a dropped one leaves it as it was), and the
-momentum moves once per accumulation, however often hivemind reloads the accumulators into the averager. A peer's
+average, which the optimizer steps on, is then an average of momenta. Only a finite gradient enters the momentum
+(a dropped one leaves it as it was), and the momentum moves once per accumulation, however often hivemind reloads the
+accumulators into the averager. A peer's
 momentum starts at zero when it starts and after it downloads the swarm's state (a newcomer, or a peer that fell
 behind: gradients of parameters it no longer has); it is not saved in checkpoints, so a resumed peer starts it anew.
 """

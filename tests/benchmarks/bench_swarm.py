@@ -244,10 +244,10 @@ def bench_peers(seconds: float = SECONDS) -> None:
           f"{seconds:.0f} s per run, steady state from {WARMUP:.0f} s; load average at start {os.getloadavg()[0]:.1f}")
     print("   N  peer   samples/s steady  global epochs (steady)  background core  background CPU s per epoch")
     with tempfile.TemporaryDirectory() as tmp:
-        tmp = KEEP_DIR or tmp
+        root = Path(KEEP_DIR or tmp)
         for count in PEER_COUNTS:
             specs = [(f"peer{i}", f"bench_peers_{count}", 30_000 * i) for i in range(count)]
-            results = _run_peers(Path(tmp) / f"n{count}", specs, seconds, join=count > 1)
+            results = _run_peers(root / f"n{count}", specs, seconds, join=count > 1)
             for index, result in enumerate(results):
                 cpu = result.cpu
                 per_epoch = cpu["background"] * cpu["steady_seconds"] / cpu["steady_epochs"] \
