@@ -34,11 +34,10 @@ from typing import Any, Optional, Tuple, Union
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_swarm.torch_ext import cpu_probe
+
 AUTO = "auto"
 BF16_PRECISIONS = ("bf16-mixed", "bf16-true", "bf16", "transformer-engine")
-# Private torch probes (torch >= 2.3); tests/lightning_swarm/test_precision.py checks that they exist.
-TORCH_CPU_PROBES = ("torch.cpu._is_avx512_bf16_supported", "torch.cpu._is_amx_tile_supported",
-                    "torch.ops.mkldnn._is_mkldnn_bf16_supported")
 
 
 @dataclass(frozen=True)
@@ -101,16 +100,6 @@ def cpu_arch() -> str:
     return "other"
 
 
-def _probe(name: str) -> bool:
-    """Call one of TORCH_CPU_PROBES; False if this torch does not have it (then we assume no native bf16)."""
-    module_path, _, function_name = name.rpartition(".")
-    owner: Any = torch
-    for part in module_path.split(".")[1:]:
-        owner = getattr(owner, part, None)
-    probe = getattr(owner, function_name, None)
-    return bool(probe()) if callable(probe) else False
-
-
 def device_for(accelerator: Any = "auto") -> str:
     """The device a Trainer with this ``accelerator`` flag (a name or an Accelerator) trains on."""
     name = accelerator if isinstance(accelerator, str) else type(accelerator).__name__.replace("Accelerator", "")
@@ -130,9 +119,9 @@ def probe_hardware(accelerator: Any = "auto") -> HardwareFacts:
         cuda_capability=tuple(torch.cuda.get_device_capability()) if device == "cuda" else None,
         cpu_arch=cpu_arch(),
         cpu_capability=torch.backends.cpu.get_cpu_capability(),
-        avx512_bf16=_probe("torch.cpu._is_avx512_bf16_supported"),
-        amx=_probe("torch.cpu._is_amx_tile_supported"),
-        mkldnn_bf16=_probe("torch.ops.mkldnn._is_mkldnn_bf16_supported"),
+        avx512_bf16=cpu_probe("torch.cpu._is_avx512_bf16_supported"),
+        amx=cpu_probe("torch.cpu._is_amx_tile_supported"),
+        mkldnn_bf16=cpu_probe("torch.ops.mkldnn._is_mkldnn_bf16_supported"),
     )
 
 

@@ -13,27 +13,12 @@ or a resume (it steps until ``scheduler._step_count == local_epoch + 1``). So we
 from __future__ import annotations
 
 import copy
-import functools
 from typing import Any, Dict, List
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-
-def _mark_step_tracking(optimizer: torch.optim.Optimizer) -> None:
-    """torch warns when a scheduler steps on an optimizer whose step() it did not wrap; wrap it like torch does."""
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        return
-    original_step = optimizer.step
-
-    @functools.wraps(original_step)
-    def step_and_record(*args: Any, **kwargs: Any) -> Any:
-        optimizer._opt_called = True
-        return original_step(*args, **kwargs)
-
-    step_and_record._wrapped_by_lr_sched = True
-    optimizer.step = step_and_record
-    optimizer._opt_called = True  # hivemind only steps the scheduler after an optimizer step
+from lightning_swarm.torch_ext import child_schedulers, mark_step_tracking, set_child_schedulers
 
 
 def rebind_scheduler(scheduler: LRScheduler, optimizer: torch.optim.Optimizer) -> LRScheduler:
@@ -51,10 +36,10 @@ def rebind_scheduler(scheduler: LRScheduler, optimizer: torch.optim.Optimizer) -
         raise ValueError(f"Unsupported LR scheduler {type(scheduler).__name__}: expected a torch LRScheduler")
     rebound = copy.copy(scheduler)
     rebound.optimizer = optimizer
-    # composite schedulers (SequentialLR, ChainedScheduler) hold their children in `_schedulers`
-    if hasattr(scheduler, "_schedulers"):
-        rebound._schedulers = [rebind_scheduler(child, optimizer) for child in scheduler._schedulers]
-    _mark_step_tracking(optimizer)
+    children = child_schedulers(scheduler)
+    if children is not None:
+        set_child_schedulers(rebound, [rebind_scheduler(child, optimizer) for child in children])
+    mark_step_tracking(optimizer)
     return rebound
 
 

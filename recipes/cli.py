@@ -11,11 +11,11 @@ from __future__ import annotations
 from typing import Any, Literal, Optional, Union
 
 import torch
-from lightning.fabric.connector import _PRECISION_INPUT
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_swarm.precision import resolve_precision
+from lightning_swarm.torch_ext import PRECISION_INPUT
 
 
 class RecipeTrainer(Trainer):
@@ -26,7 +26,7 @@ class RecipeTrainer(Trainer):
             32-true otherwise; see :mod:`lightning_swarm.precision`) or any precision Lightning's Trainer takes.
     """
 
-    def __init__(self, *args: Any, precision: Optional[Union[Literal["auto"], _PRECISION_INPUT]] = "auto",
+    def __init__(self, *args: Any, precision: Optional[Union[Literal["auto"], PRECISION_INPUT]] = "auto",
                  **kwargs: Any):
         super().__init__(*args, precision=resolve_precision(precision, kwargs.get("accelerator", "auto")), **kwargs)
 

@@ -21,7 +21,6 @@ from hivemind.compression import NoCompression
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils import get_dht_time
-from lightning.pytorch.core.optimizer import _configure_optimizers, _configure_schedulers_automatic_opt
 
 from lightning_swarm import metrics as swarm_metrics
 from lightning_swarm.auth.revert import RevertOrder, publish_revert_order
@@ -29,22 +28,12 @@ from lightning_swarm.checkpoint.checkpoint_io import read_checkpoint
 from lightning_swarm.hivemind_ext.auth_guards import credible_newest_epoch
 from lightning_swarm.hivemind_ext.state import progress_key, set_local_epoch
 from lightning_swarm.strategy import HivemindStrategy
+from lightning_swarm.torch_ext import configure_single_optimizer
 
 logger = logging.getLogger(__name__)
 
 # how long a revert's progress record lives in the DHT unless refreshed
 REVERT_RECORD_EXPIRATION = 30.0
-
-
-def configure_optimizer(module: torch.nn.Module):
-    """(optimizer, scheduler or None) from ``module.configure_optimizers()``, in any format Lightning accepts."""
-    optimizers, schedulers, _ = _configure_optimizers(module.configure_optimizers())
-    if len(optimizers) != 1:
-        raise ValueError(f"The swarm trains with exactly one optimizer; configure_optimizers gave {len(optimizers)}")
-    configs = _configure_schedulers_automatic_opt(schedulers, None)
-    if len(configs) > 1:
-        raise ValueError(f"The swarm supports at most one LR scheduler; configure_optimizers gave {len(configs)}")
-    return optimizers[0], (configs[0].scheduler if configs else None)
 
 
 # the monitor never steps: no gradient averager, no background optimizer step, the state is loaded into the
@@ -78,7 +67,7 @@ class MonitorPeer:
         self.run_id, self.target_batch_size = strategy.run_id, strategy.target_batch_size
         self.dht = strategy.start_dht()
         self.auth = strategy.swarm_auth  # None in an open run; a moderator's (auth.issuer) can revert
-        optimizer, scheduler = configure_optimizer(module)
+        optimizer, scheduler = configure_single_optimizer(module)
         self.optimizer = strategy.make_swarm_optimizer(optimizer, scheduler, **MONITOR_OPTIMIZER_OVERRIDES)
         # the monitor's state lags behind the trainers': only offer it when reverting
         self.optimizer.state_averager.allow_state_sharing = False

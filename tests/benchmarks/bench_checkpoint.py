@@ -18,7 +18,7 @@ from lightning_swarm.checkpoint.checkpoint_io import HASHED_FILES, read_checkpoi
 from lightning_swarm.checkpoint.integrity import record_files
 from lightning_swarm.checkpoint.upload import upload_to_fsspec
 from lightning_swarm.monitor.config import load_monitor_config
-from lightning_swarm.monitor.peer import configure_optimizer
+from lightning_swarm.torch_ext import configure_single_optimizer
 
 
 def dir_size(path: str) -> int:
@@ -32,7 +32,7 @@ def main():
     args = parser.parse_args()
 
     module, _ = load_monitor_config(args.config, args.model_class)
-    optimizer, scheduler = configure_optimizer(module)
+    optimizer, scheduler = configure_single_optimizer(module)
     for param in module.parameters():
         param.grad = torch.randn_like(param) * 1e-3
     optimizer.step()

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from lightning_swarm import precision as swarm_precision
-from lightning_swarm.precision import TORCH_CPU_PROBES, HardwareFacts, choose_precision, resolve_precision
+from lightning_swarm.precision import HardwareFacts, choose_precision, resolve_precision
+from lightning_swarm.torch_ext import cpu_probe
 
 BF16_GPU = HardwareFacts(device="cuda", cuda_capability=(8, 0))            # A100, RTX 30xx/40xx
 FP16_GPU = HardwareFacts(device="cuda", cuda_capability=(7, 5))            # T4 (P100: 6.0, V100: 7.0)
@@ -62,21 +63,11 @@ def test_bad_precision_type_is_a_clear_error():
         resolve_precision(["auto"])
 
 
-def test_the_private_torch_probes_exist():
-    """The CPU probes are private torch names: if a torch release drops one, auto would silently pick fp32."""
-    for name in TORCH_CPU_PROBES:
-        module_path, _, function_name = name.rpartition(".")
-        owner = torch
-        for part in module_path.split(".")[1:]:
-            owner = getattr(owner, part)
-        assert callable(getattr(owner, function_name)), name
-
-
 def test_this_machine_is_probed_consistently():
     facts = swarm_precision.probe_hardware("cpu")
     assert facts.device == "cpu" and facts.cpu_capability == torch.backends.cpu.get_cpu_capability()
-    assert facts.native_bf16 == (facts.cpu_arch == "x86" and (torch.cpu._is_avx512_bf16_supported()
-                                                               or torch.cpu._is_amx_tile_supported()))
+    assert facts.native_bf16 == (facts.cpu_arch == "x86" and (cpu_probe("torch.cpu._is_avx512_bf16_supported")
+                                                               or cpu_probe("torch.cpu._is_amx_tile_supported")))
 
 
 def test_tiny_config_resolves_to_fp32_on_a_cpu_without_native_bf16(monkeypatch, tmp_path):
