@@ -11,8 +11,9 @@ from hivemind.utils.crypto import RSAPrivateKey
 from lightning_swarm.hivemind_ext.tracker import ThrottledProgressTracker
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def dht():
+    """One DHT node for the module (starting one takes seconds): each test's trackers use a prefix of their own."""
     node = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     yield node
     node.shutdown()
@@ -36,8 +37,8 @@ def _wait_for(predicate, timeout: float) -> float:
     raise TimeoutError
 
 
-def _counting_stores(tracker):
-    """Count the tracker's DHT stores (the real store still runs)."""
+def _counting_stores(tracker, monkeypatch):
+    """Count the tracker's DHT stores (the real store still runs; the shared DHT gets its own back after the test)."""
     calls = []
     real_store = tracker.dht.store
 
@@ -45,15 +46,15 @@ def _counting_stores(tracker):
         calls.append(kwargs.get("value"))
         return real_store(*args, **kwargs)
 
-    tracker.dht.store = store
+    monkeypatch.setattr(tracker.dht, "store", store)
     return calls
 
 
-def test_reports_are_throttled_but_the_latest_progress_is_published(dht):
+def test_reports_are_throttled_but_the_latest_progress_is_published(dht, monkeypatch):
     tracker = ThrottledProgressTracker(dht=dht, prefix="throttle", target_batch_size=10_000,
                                        min_report_interval=0.5, start=True)
     try:
-        stores = _counting_stores(tracker)
+        stores = _counting_stores(tracker, monkeypatch)
         tracker.report_local_progress(0, 8)  # first report after a while: published at once
         for step in range(2, 101):  # 99 more steps in well under one interval
             tracker.report_local_progress(0, 8 * step)
@@ -67,7 +68,7 @@ def test_reports_are_throttled_but_the_latest_progress_is_published(dht):
 
 
 @pytest.mark.parametrize("fetch_period", [4.0, 0.2])
-def test_reports_are_spaced_by_half_the_fetch_interval(dht, fetch_period):
+def test_reports_are_spaced_by_half_the_fetch_interval(dht, fetch_period, monkeypatch):
     # far from the end of its epoch, a tracker fetches every max_refresh_period (default_refresh_period before
     # it has a record): its reports follow half of that, never less than min_report_interval
     tracker = ThrottledProgressTracker(dht=dht, prefix=f"spaced_{fetch_period}", target_batch_size=10**9,
@@ -76,7 +77,7 @@ def test_reports_are_spaced_by_half_the_fetch_interval(dht, fetch_period):
     try:
         assert tracker.fetched_global_progress_this_epoch.wait(timeout=10)
         assert tracker.should_report_progress.interval == pytest.approx(max(0.1, fetch_period / 2), abs=0.05)
-        stores = _counting_stores(tracker)
+        stores = _counting_stores(tracker, monkeypatch)
         start = time.monotonic()
         samples = 0
         while time.monotonic() - start < 1.5:  # a local step every 20 ms
@@ -94,9 +95,9 @@ def test_reports_are_spaced_by_half_the_fetch_interval(dht, fetch_period):
 
 
 @pytest.fixture
-def stale_tracker(dht):
+def stale_tracker(dht, request):
     """A tracker (target 1000) that published 60 samples and has 120, unpublished for the next 30 s."""
-    tracker = ThrottledProgressTracker(dht=dht, prefix="throttle_stale", target_batch_size=1000,
+    tracker = ThrottledProgressTracker(dht=dht, prefix=f"stale_{request.node.name}", target_batch_size=1000,
                                        min_report_interval=30.0, start=True)
     tracker.report_local_progress(0, 60)
     _wait_for(lambda: _published(tracker) == (0, 60), timeout=5)
