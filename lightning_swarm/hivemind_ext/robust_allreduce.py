@@ -95,6 +95,7 @@ class RobustTensorPartReducer(TensorPartReducer):
         self.sender_names, self.aggregation = list(sender_names), aggregation
         self.centered_clip_tau, self.centered_clip_iters, self.max_weights = centered_clip_tau, centered_clip_iters, max_weights
         self.refusals: Dict[int, Dict[str, int]] = defaultdict(lambda: defaultdict(int))  # sender -> reason -> parts
+        self.parts_without_contribution = 0  # parts no sender entered with a positive weight (each keeps its own)
         self._parts: List[Optional[torch.Tensor]] = [None] * num_senders
         self._weights: List[float] = [0.0] * num_senders
         self._aggregations: Set[asyncio.Task] = set()  # parts being aggregated (kept referenced until done)
@@ -161,6 +162,8 @@ class RobustTensorPartReducer(TensorPartReducer):
                 self.centered_clip_tau, self.centered_clip_iters)
             for refusal in refusals:
                 self.refusals[refusal.sender][refusal.reason] += 1
+            if result is None:
+                self.parts_without_contribution += 1
             if not future.done():
                 future.set_result(result)
         except BaseException as e:
@@ -173,10 +176,16 @@ class RobustTensorPartReducer(TensorPartReducer):
                 self.finalize()
 
     def finalize(self):
-        if not self.finished.is_set() and self.refusals:
+        if not self.finished.is_set():
             for sender, reasons in self.refusals.items():
                 text = "; ".join(f"{reason} ({count} of {self.num_parts} parts)" for reason, count in reasons.items())
                 log.warning(f"[lightning_swarm] averaging: from sender {self.sender_names[sender]}: {text}")
+            if self.parts_without_contribution:
+                # e.g. the only sender with samples was left out of the rest of the round (hivemind's
+                # next_chunk_timeout): a peer that tagged along with weight 0 then gets its own zeros back there
+                log.warning(f"[lightning_swarm] averaging: no sender contributed with a positive weight to "
+                            f"{self.parts_without_contribution} of {self.num_parts} parts (senders left out of the "
+                            f"round, refused or of weight 0): each sender keeps its own values there")
         super().finalize()
 
 

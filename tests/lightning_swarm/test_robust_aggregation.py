@@ -148,6 +148,29 @@ def test_reducer_returns_each_senders_own_part_when_nobody_is_accepted(caplog):
     nan = torch.full((5,), float("nan"))
     results = run_reducer([[torch.ones(5)], [nan]], [0.0, 3.0], caplog)
     assert torch.equal(results[0][0], torch.ones(5))  # zero change for the peer that tagged along
+    assert "no sender contributed with a positive weight to 1 of 1 parts" in caplog.text
+
+
+def test_a_weight_0_sender_gets_its_own_zeros_back_after_the_only_contributor_is_left_out(caplog):
+    """How a round with a weight-0 peer comes back different on its two peers (issue 18): hivemind's runner leaves a
+    sender out of the rest of a round when its next part is next_chunk_timeout late (a loaded machine). The reducer
+    then has only the weight-0 peer's zeros for the later parts and hands them back: that peer applies zeros there,
+    while the one left out keeps its own values. Logged, so that a test knows the round was not complete."""
+
+    async def main():
+        reducer = RobustTensorPartReducer([torch.Size([4])] * 2, 2, sender_names=["contributor", "tagalong"])
+        first = await asyncio.gather(reducer.accumulate_part(0, 0, torch.full((4,), 2.0), weight=5.0),
+                                     reducer.accumulate_part(1, 0, torch.zeros(4), weight=0.0))
+        reducer.on_sender_failed(0)  # hivemind's AllReduceRunner._ban_sender: its next part came too late
+        second = await reducer.accumulate_part(1, 1, torch.zeros(4), weight=0.0)
+        reducer.finalize()
+        return first, second
+
+    with caplog.at_level(logging.WARNING):
+        first_part, second_part = asyncio.run(main())
+    assert all(torch.equal(result, torch.full((4,), 2.0)) for result in first_part)  # the contributor's part
+    assert torch.equal(second_part, torch.zeros(4))  # its own zeros back
+    assert "no sender contributed with a positive weight to 1 of 2 parts" in caplog.text
 
 
 def test_container_refuses_a_non_finite_result_from_a_reducer(caplog):
