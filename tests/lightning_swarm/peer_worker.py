@@ -232,6 +232,25 @@ class SwarmRecorder(pl.Callback):
                           time=time.time(), pid=os.getpid(), **cpu_seconds(), **loss_scale(trainer))
 
 
+def wait_for_initial_peers() -> None:
+    """With $PEER_INITIAL_PEERS_FILE, this peer was started before the peer it joins printed its address, so that its
+    imports overlap that peer's start: wait for the file (a JSON list of multiaddrs), then join the peers it lists
+    through the strategy's $LIGHTNING_SWARM_INITIAL_PEERS."""
+    path = os.environ.get("PEER_INITIAL_PEERS_FILE")
+    if not path:
+        return
+    import lightning_swarm.strategy  # noqa: F401  (hivemind and the strategy: imported while waiting too)
+
+    deadline = time.monotonic() + 300
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no initial peers in {path} after 300 s")
+        time.sleep(0.05)
+    with open(path) as f:
+        os.environ["LIGHTNING_SWARM_INITIAL_PEERS"] = ",".join(json.load(f))
+
+
 if __name__ == "__main__":
     torch.set_num_threads(int(os.environ.get("PEER_TORCH_THREADS", "1")))
+    wait_for_initial_peers()
     LightningCLI(TinyRegression, RegressionData, save_config_callback=None, seed_everything_default=0)

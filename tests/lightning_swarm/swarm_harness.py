@@ -26,11 +26,13 @@ class Peer:
 
     cpus: if set (e.g. "0"), the peer and every process it starts (DHT, averagers, p2p daemon) run only on these CPU
         cores (taskset), like a peer alone on a machine with that many cores.
+    join_later: start the process now (its imports overlap the start of the peer it will join) and give it the
+        initial peers with :meth:`join` (``strategy`` then holds no ``initial_peers``).
     """
 
     def __init__(self, root: Path, name: str, strategy: Dict[str, Any], model: Dict[str, Any], data: Dict[str, Any],
                  recorder: Dict[str, Any], trainer: Optional[Dict[str, Any]] = None, extra_args: List[str] = (),
-                 cpus: Optional[str] = None):
+                 cpus: Optional[str] = None, join_later: bool = False):
         self.name, self.out_dir = name, root / name
         self.out_dir.mkdir(parents=True, exist_ok=True)
         config = {
@@ -50,6 +52,9 @@ class Peer:
         self.log_path = self.out_dir / "log.txt"
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), str(REPO)]), PEER_TORCH_THREADS="1")
         env.pop("LIGHTNING_SWARM_INITIAL_PEERS", None)
+        self._initial_peers_path = self.out_dir / "initial_peers.json"
+        if join_later:
+            env["PEER_INITIAL_PEERS_FILE"] = str(self._initial_peers_path)
         self._log_file = open(self.log_path, "w")
         self.process = subprocess.Popen(
             [*(["taskset", "-c", cpus] if cpus else []), sys.executable, str(WORKER), "fit", "--config",
@@ -82,6 +87,13 @@ class Peer:
             self.check_alive()
             time.sleep(0.2)
         raise TimeoutError(f"{self.name} did not print its join address:\n{self.log()[-3000:]}")
+
+    def join(self, initial_peers: List[str]) -> None:
+        """Give a peer started with ``join_later`` the peers to join (it waits for them before it builds its
+        strategy)."""
+        temporary = self._initial_peers_path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(initial_peers))
+        os.replace(temporary, self._initial_peers_path)
 
     def check_alive(self) -> None:
         code = self.process.poll()

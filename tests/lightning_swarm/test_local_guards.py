@@ -42,10 +42,10 @@ def test_a_peer_whose_gradients_turn_nan_sends_none_of_them(tmp_path, peers):
     first = Peer(tmp_path, "first", strategy_args("nangrad"), model={"step_delay": 0.02}, data={"batch_size": 4},
                  recorder=recorder)
     peers.append(first)
-    second = Peer(tmp_path, "second", strategy_args("nangrad", initial_peers=first.join_peers(timeout=150)),
-                  model={"step_delay": 0.02, "nan_at_batches": [4]}, data={"batch_size": 4, "offset": 50_000},
-                  recorder=recorder)
+    second = Peer(tmp_path, "second", strategy_args("nangrad"), model={"step_delay": 0.02, "nan_at_batches": [4]},
+                  data={"batch_size": 4, "offset": 50_000}, recorder=recorder, join_later=True)
     peers.append(second)
+    second.join(first.join_peers(timeout=150))
     for peer in (first, second):
         peer.wait(timeout=150)
 

@@ -42,10 +42,10 @@ def test_two_peers_train_together_with_different_batch_sizes(tmp_path, peers):
     first = Peer(tmp_path, "first", strategy_args("two", 96, compression="fp16"), data={"batch_size": 4},
                  trainer=csv_logger, **common)
     peers.append(first)
-    join = first.join_peers()
-    second = Peer(tmp_path, "second", strategy_args("two", 96, compression="fp16", initial_peers=join),
-                  data={"batch_size": 8, "offset": 50_000}, **common)
+    second = Peer(tmp_path, "second", strategy_args("two", 96, compression="fp16"),
+                  data={"batch_size": 8, "offset": 50_000}, join_later=True, **common)
     peers.append(second)
+    second.join(first.join_peers())
     for peer in (first, second):
         peer.wait(timeout=150)
 
@@ -87,10 +87,11 @@ def test_swarm_step_equals_one_peer_on_all_samples(tmp_path, peers, shares, seco
     first = Peer(tmp_path, "first", strategy_args("eq", total, **args), model={"share_samples": first_share},
                  data={"batch_size": first_share}, recorder=recorder)
     peers.append(first)
-    second = Peer(tmp_path, "second", strategy_args("eq", total, initial_peers=first.join_peers(), **args),
+    second = Peer(tmp_path, "second", strategy_args("eq", total, **args),
                   model={"share_samples": second_share}, data={"batch_size": second_share, "offset": first_share},
-                  recorder=dict(recorder, first_step_delay=second_late))
+                  recorder=dict(recorder, first_step_delay=second_late), join_later=True)
     peers.append(second)
+    second.join(first.join_peers())
     for peer in (first, second):
         peer.wait(timeout=120)
 
@@ -117,10 +118,12 @@ def test_late_joiner_and_killed_peer(tmp_path, peers):
     first = Peer(tmp_path, "first", strategy_args("late", 24, compression="none", averaging_timeout=6.0),
                  model=model, data={"batch_size": 4}, recorder=together)
     peers.append(first)
-    join = first.join_peers()
-    args = strategy_args("late", 24, compression="none", averaging_timeout=6.0, initial_peers=join)
-    doomed = Peer(tmp_path, "doomed", args, model=model, data={"batch_size": 4, "offset": 30_000}, recorder=together)
+    doomed = Peer(tmp_path, "doomed", strategy_args("late", 24, compression="none", averaging_timeout=6.0),
+                  model=model, data={"batch_size": 4, "offset": 30_000}, recorder=together, join_later=True)
     peers.append(doomed)
+    join = first.join_peers()
+    doomed.join(join)
+    args = strategy_args("late", 24, compression="none", averaging_timeout=6.0, initial_peers=join)
     wait_until(lambda: min(first.max_epoch(), doomed.max_epoch()) >= 2, 90, [first, doomed],
                "the two first peers to reach global epoch 2")
 
@@ -153,9 +156,10 @@ def test_overlapped_peers_preschedule_state_averaging(tmp_path, peers):
     common = dict(model={"step_delay": 0.05}, data={"batch_size": 8}, recorder=recorder)  # ~3 s epochs
     first = Peer(tmp_path, "first", strategy_args("presched", 96, **overlap), **common)
     peers.append(first)
-    second = Peer(tmp_path, "second", strategy_args("presched", 96, initial_peers=first.join_peers(), **overlap),
-                  **dict(common, data={"batch_size": 8, "offset": 50_000}))
+    second = Peer(tmp_path, "second", strategy_args("presched", 96, **overlap),
+                  **dict(common, data={"batch_size": 8, "offset": 50_000}), join_later=True)
     peers.append(second)
+    second.join(first.join_peers())
     for peer in (first, second):
         peer.wait(timeout=150)
     for peer in (first, second):
@@ -187,10 +191,11 @@ def test_fp16_swarm_skips_overflowing_batches_on_every_peer(tmp_path, peers):
     first = Peer(tmp_path, "first", strategy_args("fp16", 32, **strategy), trainer=FP16_PLUGIN,
                  model={"step_delay": 0.02, "overflow_at_batches": [2, 7]}, data={"batch_size": 4}, recorder=recorder)
     peers.append(first)
-    second = Peer(tmp_path, "second", strategy_args("fp16", 32, initial_peers=first.join_peers(), **strategy),
+    second = Peer(tmp_path, "second", strategy_args("fp16", 32, **strategy),
                   trainer=FP16_PLUGIN, model={"step_delay": 0.02, "overflow_at_batches": [4]},
-                  data={"batch_size": 4, "offset": 50_000}, recorder=recorder)
+                  data={"batch_size": 4, "offset": 50_000}, recorder=recorder, join_later=True)
     peers.append(second)
+    second.join(first.join_peers())
     for peer in (first, second):
         peer.wait(timeout=150)
 
