@@ -33,7 +33,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seed", type=int, required=True, help="seed of this peer's tensors")
     parser.add_argument("--out", required=True, help="safetensors file for the averaged tensors")
-    parser.add_argument("--initial-peer", default=None, help="multiaddr of a peer to join (none: start a DHT)")
+    parser.add_argument("--initial-peer", default=None, help="multiaddr of a peer to join (none: start a DHT; '-': "
+                        "the first line of stdin, read after the imports, which then overlap that peer's start)")
     parser.add_argument("--prefix", default="lightning_swarm_test", help="averaging group key prefix")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to find a group")
     args = parser.parse_args()
@@ -44,6 +45,8 @@ def main() -> None:
 
     from lightning_swarm.compression import default_compression
 
+    if args.initial_peer == "-":
+        args.initial_peer = sys.stdin.readline().strip()
     dht = hivemind.DHT(
         start=True,
         host_maddrs=["/ip4/127.0.0.1/tcp/0"],

@@ -185,9 +185,11 @@ def test_compressed_averaging_round_between_two_processes(tmp_path):
     peers = []
     try:
         peers.append(start_peer(0, []))
+        peers.append(start_peer(1, ["--initial-peer", "-"]))  # its imports overlap the first peer's start
         line = peers[0].stdout.readline()  # "PEER <multiaddr>" once its DHT is up
         assert line.startswith("PEER "), f"first peer did not start: {line!r}\n{log_tails()}"
-        peers.append(start_peer(1, ["--initial-peer", line.split()[1]]))
+        peers[1].stdin.write(line.split()[1] + "\n")
+        peers[1].stdin.flush()
         deadline = time.monotonic() + 180
         while not all(path.exists() for path in outputs):
             assert all(peer.poll() is None for peer in peers), f"a peer exited before averaging\n{log_tails()}"
