@@ -123,13 +123,14 @@ def test_late_joiner_and_killed_peer(tmp_path, peers):
     peers.append(doomed)
     join = first.join_peers()
     doomed.join(join)
-    args = strategy_args("late", 24, compression="none", averaging_timeout=6.0, initial_peers=join)
+    # the late peer's process starts now (its imports overlap the others' first epochs); it joins at epoch 2
+    late = Peer(tmp_path, "late", strategy_args("late", 24, compression="none", averaging_timeout=6.0),
+                model=dict(model, seed=123), data={"batch_size": 4, "offset": 60_000}, recorder=recorder,
+                join_later=True)
+    peers.append(late)
     wait_until(lambda: min(first.max_epoch(), doomed.max_epoch()) >= 2, 90, [first, doomed],
                "the two first peers to reach global epoch 2")
-
-    late = Peer(tmp_path, "late", args, model=dict(model, seed=123), data={"batch_size": 4, "offset": 60_000},
-                recorder=recorder)
-    peers.append(late)
+    late.join(join)
     wait_until(lambda: late.max_epoch() >= 0, 90, [first, doomed, late], "the late peer to start training")
     start = late.events()[0]
     assert start["kind"] == "start" and start["epoch"] >= 2, start
