@@ -83,6 +83,9 @@ def test_a_newcomer_refuses_a_downloaded_state_holding_nan(tmp_path, peers):
 
     assert not all_finite(donor.params(0))  # the donor really offered a NaN
     assert REFUSED_STATE in newcomer.log(), newcomer.log()[-3000:]
+    # a refused state is not downloaded again at every step: pauses of 1, 2, 4, 8... s between attempts allow at
+    # most 1 + log2(t + 1) refusals in t seconds (t < 127 s here); without them, one per local step
+    assert newcomer.log().count(REFUSED_STATE) <= 8, newcomer.log().count(REFUSED_STATE)
     recorded = sorted(newcomer.out_dir.glob("params_*.safetensors"))
     assert recorded, newcomer.log()[-3000:]
     for path in recorded:
