@@ -81,6 +81,9 @@ class HivemindStrategy(SingleDeviceStrategy):
             (needs offload_optimizer).
         delay_grad_averaging: average gradients in the background (needs delay_optimizer_step).
         delay_state_averaging: average parameters/optimizer state in the background.
+        overlap_max_peers: the three options above apply while the swarm has at most this many peers (default 2);
+            a larger swarm averages synchronously (4 peers with them trained several times slower,
+            docs/swarm-at-scale.md). None: always as given.
         offload_optimizer: keep the optimizer (and a copy of the parameters) on the CPU. Default: hivemind's
             default (True).
         reuse_grad_buffers: accumulate gradients in the parameters' ``.grad`` (saves memory; Lightning's
@@ -150,6 +153,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         delay_optimizer_step: Optional[bool] = None,
         delay_grad_averaging: bool = False,
         delay_state_averaging: bool = True,
+        overlap_max_peers: Optional[int] = 2,
         offload_optimizer: Optional[bool] = None,
         reuse_grad_buffers: bool = False,
         average_state_every: int = 1,
@@ -211,7 +215,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             delay_grad_averaging=delay_grad_averaging, delay_state_averaging=delay_state_averaging,
             offload_optimizer=offload_optimizer, reuse_grad_buffers=reuse_grad_buffers,
             average_state_every=average_state_every, averager_opts=averager_opts, tracker_opts=tracker_opts,
-            verbose=verbose,
+            verbose=verbose, overlap_max_peers=overlap_max_peers,
         )
 
         self._dht: Optional[hivemind.DHT] = None

@@ -7,6 +7,7 @@ import re
 from typing import Any, Dict, List, Optional
 
 from lightning_swarm.compression import COMPRESSION_CHOICES
+from lightning_swarm.hivemind_ext.optimizer import check_overlap_max_peers
 
 
 def check_strategy_options(
@@ -92,8 +93,10 @@ def hivemind_optimizer_options(
     averager_opts: Optional[Dict[str, Any]],
     tracker_opts: Optional[Dict[str, Any]],
     verbose: bool,
+    overlap_max_peers: Optional[int] = 2,
 ) -> Dict[str, Any]:
-    """The hivemind.Optimizer arguments of HivemindStrategy's options (same names and meaning), defaults filled in."""
+    """The SwarmOptimizer arguments of HivemindStrategy's options (same names and meaning), defaults filled in."""
+    check_overlap_max_peers(overlap_max_peers)
     return dict(
         matchmaking_time=matchmaking_time,
         averaging_timeout=averaging_timeout,
@@ -111,6 +114,7 @@ def hivemind_optimizer_options(
         averager_opts=dict(dict(request_timeout=min(3.0, matchmaking_time / 2)), **(averager_opts or {})),
         tracker_opts=tracker_opts,
         verbose=verbose,
+        overlap_max_peers=overlap_max_peers,
     )
 
 

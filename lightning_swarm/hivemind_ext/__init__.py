@@ -59,6 +59,10 @@ through ``credentials.PeerCredentials``, so this package never imports ``lightni
     - ``DecentralizedAverager._aggregate_with_group``: overridden to check every group member's proof first.
     - (``state_download``'s donor list, ``_donors``, is filtered to plausible donors: our own code, not hivemind's.)
     - ``ProgressTracker._parse_swarm_progress_data`` (as ``tracker``): drops epoch claims no peer confirms.
+``round_groups`` (a groupmate's part that arrives before its group is registered waits for it)
+    - ``DecentralizedAverager._running_groups``: where the part's group gets registered (hivemind refuses the part
+      at once if another round of the averager has set ``_pending_groups_registered``).
+    - ``DecentralizedAverager._aggregate_with_group``: extended, remembers the groups of finished rounds.
 ``credentials`` (what ``auth_guards`` and ``optimizer`` call on the run's credentials): no hivemind name.
 ``keys`` (RSA keys in hivemind's classes, for ``lightning_swarm.auth``)
     - ``RSAPrivateKey._private_key``: loaded from and written to PEM files (hivemind has no loader).

@@ -2,7 +2,7 @@
 
 Each hivemind peer runs a DHT process and two averager processes next to training. Left as they are, they take a
 good part of a CPU core even when the peer is alone, which costs training throughput wherever cores are scarce.
-SwarmOptimizer changes five things and nothing else:
+SwarmOptimizer changes six things and nothing else:
 - progress is published through :class:`~lightning_swarm.hivemind_ext.tracker.ThrottledProgressTracker` (not a
   DHT store on every local step);
 - both averagers search for groups through
@@ -11,6 +11,10 @@ SwarmOptimizer changes five things and nothing else:
   search until it cancels the round at the end of the epoch;
 - in a swarm, state averaging rounds are pre-scheduled like gradient rounds (hivemind 1.1.12 never does, see
   ``_maybe_schedule_state_averaging``), so their group is ready when the epoch ends;
+- the overlap options (``delay_optimizer_step``, ``delay_grad_averaging``, ``delay_state_averaging``) apply only
+  while the swarm has at most ``overlap_max_peers`` peers (default 2); in a larger swarm rounds are synchronous,
+  and a groupmate's part that arrives before its group is registered waits for it
+  (:mod:`~lightning_swarm.hivemind_ext.round_groups`); docs/swarm-at-scale.md has the measurements;
 - a newcomer's state download is verified, logged and retried, and skips the gradient buffers
   (:mod:`~lightning_swarm.hivemind_ext.state_download`).
 """
@@ -18,6 +22,7 @@ SwarmOptimizer changes five things and nothing else:
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Optional
 
 import hivemind
@@ -31,7 +36,22 @@ from lightning_swarm.hivemind_ext.grad_averager import SampleWeightedGradientAve
 from lightning_swarm.hivemind_ext.matchmaking import ThrottledLeaderSearch
 from lightning_swarm.hivemind_ext.state_download import NoStateDownload, VerifiedStateDownload
 from lightning_swarm.hivemind_ext.robust_allreduce import ProgressBoundedWeights, RobustAveraging
+from lightning_swarm.hivemind_ext.round_groups import PatientGroupRegistration
 from lightning_swarm.hivemind_ext.tracker import ThrottledProgressTracker
+
+log = logging.getLogger(__name__)
+
+# the largest swarm in which the overlap options were measured to help (docs/swarm-at-scale.md)
+DEFAULT_OVERLAP_MAX_PEERS = 2
+OVERLAP_OPTIONS = ("delay_optimizer_step", "delay_grad_averaging", "delay_state_averaging")
+
+
+def check_overlap_max_peers(overlap_max_peers: Optional[int]) -> Optional[int]:
+    """Return ``overlap_max_peers`` (a positive number of peers, or None), or raise a ValueError naming it."""
+    if overlap_max_peers is not None and (isinstance(overlap_max_peers, bool) or not isinstance(overlap_max_peers, int)
+                                          or overlap_max_peers < 1):
+        raise ValueError(f"overlap_max_peers must be a positive number of peers or None, got {overlap_max_peers!r}")
+    return overlap_max_peers
 
 
 class HivemindRpcNames:
@@ -47,18 +67,20 @@ class HivemindRpcNames:
         return hivemind_class._get_handle_name(namespace, method_name)
 
 
-class SwarmGradientAverager(HivemindRpcNames, AuthenticatedAveraging, ThrottledLeaderSearch, ProgressBoundedWeights,
-                            SampleWeightedGradientAverager, NoStateDownload):
+class SwarmGradientAverager(HivemindRpcNames, AuthenticatedAveraging, PatientGroupRegistration, ThrottledLeaderSearch,
+                            ProgressBoundedWeights, SampleWeightedGradientAverager, NoStateDownload):
     """Gradient averager of a SwarmOptimizer: mean over samples, throttled leader search (``leader_poll_interval``),
+    groupmates' parts wait for their group to be registered (:mod:`~lightning_swarm.hivemind_ext.round_groups`),
     screened all-reduce (``aggregation``, ``centered_clip_tau``, ``centered_clip_iters``; each sender's weight at
     most the samples in its progress record, read from ``progress_key``), no non-finite gradient sent, and a
     newcomer does not download the donor's gradient buffers (they are reset right after); in a run with an
     authority only authenticated peers share a group (``swarm_auth``)."""
 
 
-class SwarmStateAverager(HivemindRpcNames, AuthenticatedAveraging, ThrottledLeaderSearch, RobustAveraging,
-                         TrainingStateAverager, FiniteStateDownload, VerifiedStateDownload):
-    """State averager of a SwarmOptimizer: hivemind's TrainingStateAverager with a throttled leader search, a
+class SwarmStateAverager(HivemindRpcNames, AuthenticatedAveraging, PatientGroupRegistration, ThrottledLeaderSearch,
+                         RobustAveraging, TrainingStateAverager, FiniteStateDownload, VerifiedStateDownload):
+    """State averager of a SwarmOptimizer: hivemind's TrainingStateAverager with a throttled leader search,
+    groupmates' parts that wait for their group to be registered (:mod:`~lightning_swarm.hivemind_ext.round_groups`), a
     screened all-reduce (every peer has weight 1 in state averaging: ``max_sender_weight=1``), a verified, retried
     state download (``state_download_attempts``) and no non-finite downloaded state; in a run with an authority,
     groups of authenticated peers only, and state from plausible donors (or the one a moderator's revert names)."""
@@ -82,15 +104,50 @@ class SwarmOptimizer(hivemind.Optimizer):
     averager's through ``grad_averager_factory``. ``swarm_auth`` (a :class:`~lightning_swarm.hivemind_ext.credentials.PeerCredentials`
     such as :class:`~lightning_swarm.auth.peer.SwarmAuth`, in a run with an authority) is handed to the tracker and both averagers (see
     :mod:`lightning_swarm.hivemind_ext.auth_guards`); the DHT must have been created with its authorizer.
+    ``overlap_max_peers`` (default 2; None: no limit): the overlap options given (``delay_optimizer_step``,
+    ``delay_grad_averaging``, ``delay_state_averaging``) apply while the swarm has at most this many peers; in a
+    larger swarm this peer averages synchronously, and says so in the log when it switches.
     """
 
     def __init__(self, *args, grad_averager_factory=SwarmGradientAverager, robust_averaging_opts=None,
-                 swarm_auth: Optional[PeerCredentials] = None, **kwargs):
+                 swarm_auth: Optional[PeerCredentials] = None,
+                 overlap_max_peers: Optional[int] = DEFAULT_OVERLAP_MAX_PEERS, **kwargs):
+        self.overlap_max_peers = check_overlap_max_peers(overlap_max_peers)
         self.robust_averaging_opts = dict(robust_averaging_opts or {})  # read by _make_state_averager in super()
         self.swarm_auth = swarm_auth  # read by the factories below, which hivemind calls from its __init__
         if swarm_auth is not None and grad_averager_factory is not None:  # None: local updates, no such averager
             grad_averager_factory = functools.partial(grad_averager_factory, swarm_auth=swarm_auth)
         super().__init__(*args, grad_averager_factory=grad_averager_factory, **kwargs)
+        self.requested_overlap = {name: getattr(self, name) for name in OVERLAP_OPTIONS}  # as configured
+        self.overlapping = True  # whether the requested overlap options are in force
+
+    def step(self, *args, **kwargs):
+        self._choose_overlap()
+        return super().step(*args, **kwargs)
+
+    def _choose_overlap(self) -> None:
+        """Turn the requested overlap options off while the swarm has more than overlap_max_peers peers, on again
+        when it shrinks (hivemind reads them at every step)."""
+        requested = [name for name, value in self.requested_overlap.items() if value]
+        if self.overlap_max_peers is None or not requested or self.auxiliary or not self.use_gradient_averaging:
+            return  # (with local updates, hivemind built the state averager for the configured delays)
+        num_peers = max(1, self.tracker.global_progress.num_peers)  # 0 until the first progress fetch
+        overlap = num_peers <= self.overlap_max_peers
+        if overlap == self.overlapping:
+            return
+        if not overlap:  # the rounds under way in the background finish first; this step applies their results
+            self.state_averager.step(wait_for_delayed_updates=True)
+        for name in requested:
+            setattr(self, name, overlap)
+        self.overlapping = overlap
+        if overlap:
+            log.warning(f"[lightning_swarm] {num_peers} peer(s) in the swarm: {', '.join(requested)} on again "
+                        f"(they apply while the swarm has at most overlap_max_peers={self.overlap_max_peers} peers)")
+        else:
+            log.warning(f"[lightning_swarm] {num_peers} peers in the swarm: averaging synchronously, "
+                        f"{', '.join(requested)} off while the swarm has more than overlap_max_peers="
+                        f"{self.overlap_max_peers} peers: overlapped rounds of 4 peers were measured several times "
+                        "slower than synchronous ones (docs/swarm-at-scale.md)")
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
         return GuardedProgressTracker(

@@ -182,6 +182,12 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
     + _symbols("hivemind.averaging.control", "auth_guards", [
         ("StepControl._data_for_gather", "replaced by the same data with this peer's join proof inside"),
     ], instance=True)
+    + _symbols("hivemind.averaging.averager", "round_groups", [
+        ("DecentralizedAverager._aggregate_with_group", "extended: remembers the groups of finished rounds"),
+    ])
+    + _symbols("hivemind.averaging.averager", "round_groups", [
+        ("DecentralizedAverager._running_groups", "a groupmate's part waits until its group is registered here"),
+    ], instance=True)
     + _symbols("hivemind.utils.crypto", "keys", [
         ("RSAPrivateKey._process_wide_key", "set to the key an offline token was issued for"),
         ("RSAPrivateKey._process_wide_key_lock", "held while setting it"),

@@ -17,13 +17,21 @@
 3. peers: one swarm of 1, 2, 4 peers (BENCH_PEER_COUNTS) on 127.0.0.1: each peer's samples/s and the CPU its swarm
    work takes (everything but its training thread), per second and per global epoch.
 
-Run: python tests/benchmarks/bench_swarm.py [averaging|throughput|all|peers]
+4. overlap: swarms of 4 and 2 peers (the MLP of "throughput"), one after the other, with the overlap options
+   requested and overlap_max_peers at its default 2 (the strategy's choice: synchronous rounds at 4 peers),
+   with the overlap options forced at any size (overlap_max_peers None), forced with hivemind's handling of a part
+   that arrives before its group is registered (the behaviour before docs/swarm-at-scale.md's fix), and off:
+   swarm samples/s in the steady state, global epochs, and the partial rounds the peers' logs report.
+
+Run: python tests/benchmarks/bench_swarm.py [averaging|throughput|all|peers|overlap]
      BENCH_AVERAGE_STATE_EVERY=4 python tests/benchmarks/bench_swarm.py throughput   (state averaging every 4 epochs)
      BENCH_TARGET=16384 BENCH_SECONDS=60 BENCH_WARMUP=15 python tests/benchmarks/bench_swarm.py throughput  (~4 s epochs)
      BENCH_MATCHMAKING_TIME=1.0 python tests/benchmarks/bench_swarm.py throughput     (matchmaking_time, default 2 s)
      BENCH_REPEATS=3 python tests/benchmarks/bench_swarm.py throughput   (3 interleaved repeats, median ratios)
      BENCH_PEER_COUNTS=4 BENCH_KEEP_DIR=/tmp/peers python tests/benchmarks/bench_swarm.py peers   (logs kept, verbose)
      BENCH_OVERLAP=0 BENCH_TARGET=8192 BENCH_PEER_COUNTS=4 python tests/benchmarks/bench_swarm.py peers   (synchronous)
+     BENCH_TARGET=8192 BENCH_SECONDS=60 BENCH_WARMUP=20 python tests/benchmarks/bench_swarm.py overlap   (the table
+                                                                     of docs/swarm-at-scale.md, ~15 min)
      BENCH_PIN=1 python tests/benchmarks/bench_swarm.py throughput   (each peer with all its processes on its own core,
                                                                      like one peer per 1-core machine; alone too)
 The machine is shared (2 cores): run it when nothing else runs, the ratio moves a lot with background load. The host
@@ -41,7 +49,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from paths import REPO, SHARED  # noqa: E402
@@ -148,14 +156,17 @@ class PeerResult(NamedTuple):
     # training-thread CPU second ("per_main_second")
 
 
-def _run_peers(root: Path, specs: list, seconds: float, join: bool) -> list[PeerResult]:
+def _run_peers(root: Path, specs: list, seconds: float, join: bool, options: Optional[dict] = None,
+               logs: Optional[list] = None) -> list[PeerResult]:
     """Start peers (name, run_id, data offset), the later ones joining the first if `join`; return their results.
-    All peers start timing together, at a barrier."""
+    All peers start timing together, at a barrier. `options` override the strategy's; `logs`, if given, receives
+    each peer's log."""
     from swarm_harness import Peer
 
     overlap = dict(delay_optimizer_step=OVERLAP, delay_grad_averaging=OVERLAP, delay_state_averaging=OVERLAP,
                    matchmaking_time=MATCHMAKING_TIME, averaging_timeout=30.0, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                   metrics_interval=5.0, average_state_every=AVERAGE_STATE_EVERY, verbose=bool(KEEP_DIR))
+                   metrics_interval=5.0, average_state_every=AVERAGE_STATE_EVERY, verbose=bool(KEEP_DIR),
+                   **(options or {}))
     if LEADER_POLL_INTERVAL is not None:
         overlap["averager_opts"] = {"leader_poll_interval": float(LEADER_POLL_INTERVAL)}
     recorder = {"stop_at_epoch": 100_000, "max_seconds": seconds, "barrier_dir": str(root / "barrier"),
@@ -176,6 +187,8 @@ def _run_peers(root: Path, specs: list, seconds: float, join: bool) -> list[Peer
     finally:
         for peer in peers:
             peer.kill()
+    if logs is not None:
+        logs.extend(peer.log() for peer in peers)
     results = []
     for peer in peers:
         events = peer.events()
@@ -257,6 +270,46 @@ def bench_peers(seconds: float = SECONDS) -> None:
             print(f"  {count:2d}  all   {sum(result.steady for result in results):16.1f}  (swarm samples/s)", flush=True)
 
 
+# mode "overlap": (name, peers, strategy options, environment of the peers)
+OVERLAP_VARIANTS = [
+    ("overlap, overlap_max_peers=2 (default)", 4, {}, {}),
+    ("overlap forced (overlap_max_peers=None)", 4, {"overlap_max_peers": None}, {}),
+    ("overlap forced, hivemind's part handling", 4, {"overlap_max_peers": None}, {"PEER_HIVEMIND_PART_HANDLING": "1"}),
+    ("synchronous (overlap options off)", 4, dict.fromkeys(("delay_optimizer_step", "delay_grad_averaging",
+                                                             "delay_state_averaging"), False), {}),
+    ("overlap, overlap_max_peers=2 (default)", 2, {}, {}),
+    ("synchronous (overlap options off)", 2, dict.fromkeys(("delay_optimizer_step", "delay_grad_averaging",
+                                                             "delay_state_averaging"), False), {}),
+]
+# hivemind's warnings (logged whatever `verbose`) when a round ends without some peer's parts or results
+PARTIAL_ROUND_LINES = ("Reducer: received", "Averaging: received")
+
+
+def bench_overlap(seconds: float = SECONDS) -> None:
+    """The overlap options in swarms of 4 and 2 peers, see the module docstring (OVERLAP_VARIANTS)."""
+    print(f"== overlap: swarms of N peers on 127.0.0.1, the MLP of 'throughput', target_batch_size {TARGET}, "
+          f"{seconds:.0f} s per run, steady state from {WARMUP:.0f} s")
+    print("   N  variant                                      swarm samples/s  global epochs  partial-round log lines"
+          "  load average at start")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(KEEP_DIR or tmp)
+        for index, (name, count, options, env) in enumerate(OVERLAP_VARIANTS):
+            load = os.getloadavg()[0]
+            specs = [(f"peer{i}", f"bench_overlap_{index}", 30_000 * i) for i in range(count)]
+            logs = []
+            saved = dict(os.environ)
+            os.environ.update(env)  # the peers inherit it
+            try:
+                results = _run_peers(root / f"variant{index}", specs, seconds, join=True, options=options, logs=logs)
+            finally:
+                os.environ.clear()
+                os.environ.update(saved)
+            partial = sum(line.count(marker) for line in logs for marker in PARTIAL_ROUND_LINES)
+            epochs = "-".join(sorted({str(result.epochs) for result in results}))
+            print(f"  {count:2d}  {name:42s}  {sum(result.steady for result in results):15.1f}  {epochs:>13s}"
+                  f"  {partial:23d}  {load:.1f}", flush=True)
+
+
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "all"
     if mode == "averaging-peer":
@@ -268,3 +321,5 @@ if __name__ == "__main__":
             bench_throughput()
         if mode == "peers":
             bench_peers()
+        if mode == "overlap":
+            bench_overlap()

@@ -252,5 +252,8 @@ def wait_for_initial_peers() -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(int(os.environ.get("PEER_TORCH_THREADS", "1")))
+    if os.environ.get("PEER_HIVEMIND_PART_HANDLING") == "1":  # benchmarks: hivemind's BAD_GROUP_ID race, as before
+        from lightning_swarm.hivemind_ext.round_groups import PatientGroupRegistration
+        PatientGroupRegistration.wait_for_registration = False
     wait_for_initial_peers()
     LightningCLI(TinyRegression, RegressionData, save_config_callback=None, seed_everything_default=0)
