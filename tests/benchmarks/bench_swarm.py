@@ -165,8 +165,8 @@ def _run_peers(root: Path, specs: list, seconds: float, join: bool, options: Opt
 
     overlap = dict(delay_optimizer_step=OVERLAP, delay_grad_averaging=OVERLAP, delay_state_averaging=OVERLAP,
                    matchmaking_time=MATCHMAKING_TIME, averaging_timeout=30.0, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                   metrics_interval=5.0, average_state_every=AVERAGE_STATE_EVERY, verbose=bool(KEEP_DIR),
-                   **(options or {}))
+                   metrics_interval=5.0, average_state_every=AVERAGE_STATE_EVERY, verbose=bool(KEEP_DIR))
+    overlap.update(options or {})
     if LEADER_POLL_INTERVAL is not None:
         overlap["averager_opts"] = {"leader_poll_interval": float(LEADER_POLL_INTERVAL)}
     recorder = {"stop_at_epoch": 100_000, "max_seconds": seconds, "barrier_dir": str(root / "barrier"),
