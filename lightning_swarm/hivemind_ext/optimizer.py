@@ -11,8 +11,8 @@ SwarmOptimizer changes six things and nothing else:
   search until it cancels the round at the end of the epoch;
 - in a swarm, state averaging rounds are pre-scheduled like gradient rounds (hivemind 1.1.12 never does, see
   ``_maybe_schedule_state_averaging``), so their group is ready when the epoch ends;
-- the overlap options (``delay_optimizer_step``, ``delay_grad_averaging``, ``delay_state_averaging``) apply only
-  while the swarm has at most ``overlap_max_peers`` peers (default 2); in a larger swarm rounds are synchronous,
+- the overlap options (``delay_optimizer_step`` / ``delay_grad_averaging``, with ``delay_state_averaging``) apply
+  only while the swarm has at most ``overlap_max_peers`` peers (default 2); in a larger swarm rounds are synchronous,
   and a groupmate's part that arrives before its group is registered waits for it
   (:mod:`~lightning_swarm.hivemind_ext.round_groups`); docs/swarm-at-scale.md has the measurements;
 - a newcomer's state download is verified, logged and retried, and skips the gradient buffers
@@ -80,8 +80,8 @@ class SwarmGradientAverager(HivemindRpcNames, AuthenticatedAveraging, PatientGro
 class SwarmStateAverager(HivemindRpcNames, AuthenticatedAveraging, PatientGroupRegistration, ThrottledLeaderSearch,
                          RobustAveraging, TrainingStateAverager, FiniteStateDownload, VerifiedStateDownload):
     """State averager of a SwarmOptimizer: hivemind's TrainingStateAverager with a throttled leader search,
-    groupmates' parts that wait for their group to be registered (:mod:`~lightning_swarm.hivemind_ext.round_groups`), a
-    screened all-reduce (every peer has weight 1 in state averaging: ``max_sender_weight=1``), a verified, retried
+    groupmates' parts that wait for their group to be registered (:mod:`~lightning_swarm.hivemind_ext.round_groups`),
+    a screened all-reduce (every peer has weight 1 in state averaging: ``max_sender_weight=1``), a verified, retried
     state download (``state_download_attempts``) and no non-finite downloaded state; in a run with an authority,
     groups of authenticated peers only, and state from plausible donors (or the one a moderator's revert names)."""
 
@@ -104,9 +104,9 @@ class SwarmOptimizer(hivemind.Optimizer):
     averager's through ``grad_averager_factory``. ``swarm_auth`` (a :class:`~lightning_swarm.hivemind_ext.credentials.PeerCredentials`
     such as :class:`~lightning_swarm.auth.peer.SwarmAuth`, in a run with an authority) is handed to the tracker and both averagers (see
     :mod:`lightning_swarm.hivemind_ext.auth_guards`); the DHT must have been created with its authorizer.
-    ``overlap_max_peers`` (default 2; None: no limit): the overlap options given (``delay_optimizer_step``,
-    ``delay_grad_averaging``, ``delay_state_averaging``) apply while the swarm has at most this many peers; in a
-    larger swarm this peer averages synchronously, and says so in the log when it switches.
+    ``overlap_max_peers`` (default 2; None: no limit): if ``delay_optimizer_step`` or ``delay_grad_averaging`` is on,
+    they (and ``delay_state_averaging``, if on) apply while the swarm has at most this many peers; in a larger
+    swarm this peer averages synchronously, and says so in the log when it switches.
     """
 
     def __init__(self, *args, grad_averager_factory=SwarmGradientAverager, robust_averaging_opts=None,
@@ -129,8 +129,11 @@ class SwarmOptimizer(hivemind.Optimizer):
         """Turn the requested overlap options off while the swarm has more than overlap_max_peers peers, on again
         when it shrinks (hivemind reads them at every step)."""
         requested = [name for name, value in self.requested_overlap.items() if value]
-        if self.overlap_max_peers is None or not requested or self.auxiliary or not self.use_gradient_averaging:
-            return  # (with local updates, hivemind built the state averager for the configured delays)
+        delayed = self.requested_overlap["delay_optimizer_step"] or self.requested_overlap["delay_grad_averaging"]
+        if self.overlap_max_peers is None or not delayed or self.auxiliary or not self.use_gradient_averaging:
+            # delay_state_averaging alone (hivemind's default) is left as it is: it was not measured to misbehave;
+            # with local updates, hivemind built the state averager for the configured delays
+            return
         num_peers = max(1, self.tracker.global_progress.num_peers)  # 0 until the first progress fetch
         overlap = num_peers <= self.overlap_max_peers
         if overlap == self.overlapping:

@@ -117,3 +117,25 @@ def test_overlap_options_follow_the_swarm_size(caplog):
     finally:
         optimizer.shutdown()
         dht.shutdown()
+
+
+def test_delay_state_averaging_alone_is_left_as_it_is():
+    """hivemind's default (state averaged in the background, gradients not) is not switched, whatever the size."""
+    dht = hivemind.DHT(start=True, host_maddrs=LOCAL)
+    model = torch.nn.Linear(8, 1)
+    optimizer = SwarmOptimizer(
+        dht=dht, run_id="state_delay_only", target_batch_size=32, batch_size_per_step=16,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1), params=model.parameters(), matchmaking_time=1.0,
+        averaging_timeout=5.0, delay_state_averaging=True, overlap_max_peers=1, verbose=False,
+    )
+    try:
+        optimizer.overlap_max_peers = 0  # the swarm (1 peer) is larger than the limit
+        for _ in range(4):
+            model(torch.randn(16, 8)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert optimizer.local_epoch == 2
+        assert optimizer.overlapping and optimizer.delay_state_averaging
+    finally:
+        optimizer.shutdown()
+        dht.shutdown()
