@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -32,6 +32,11 @@ DEFAULT_CENTERED_CLIP_ITERS = 20
 # CenteredClip stops early once an iteration moves the result by less than this fraction of its norm (far below
 # the 8-bit codec's rounding of what is sent, ~1e-2 of a block's largest value)
 CENTERED_CLIP_TOLERANCE = 1e-4
+# aligned_centered_clip: a sender whose part goes along less than this fraction of the robust estimate loses weight
+# (the value measured in docs/security.md; HivemindStrategy's option is off by default)
+DEFAULT_MIN_ALIGNMENT = 0.5
+# SenderTrust: a judged round weighs this much relative to the next one (~5 rounds of memory)
+TRUST_DECAY = 0.8
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
@@ -120,15 +125,54 @@ def centered_clip(
             not clipped; this follows the scale of whatever is averaged (gradients, parameters, optimizer state).
         iters: at most this many iterations (fewer once the estimate stops moving).
     """
+    return aligned_centered_clip(parts, weights, tau, iters, min_alignment=None)[0]
+
+
+def aligned_centered_clip(
+    parts: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    tau: Optional[float] = None,
+    iters: int = DEFAULT_CENTERED_CLIP_ITERS,
+    min_alignment: Optional[float] = DEFAULT_MIN_ALIGNMENT,
+    prior: Optional[Sequence[float]] = None,
+) -> tuple[torch.Tensor, List[float], List[float]]:
+    """CenteredClip (:func:`centered_clip`) in which each sender's weight is scaled by how far it supports the
+    group's direction, and by ``prior`` (its record from past rounds, :class:`SenderTrust`).
+
+    First the senders vote, one vote each: their CenteredClip ``u`` is the group's direction, decided by the majority
+    of senders whatever their sample counts or history (a peer that had few samples this round does not hand the
+    attacker half the weight). A sender's alignment is ``s_i = <x_i, u> / |u|^2``, the fraction of that step its own
+    part goes along (an honest gradient: about 1; a negated one: about -1). A sender with ``s_i`` below
+    ``min_alignment`` keeps ``max(s_i, 0) / min_alignment`` of its weight. Then CenteredClip runs with the senders'
+    weights (capped at the median) times ``prior`` times those factors. So a sender kept at full weight goes along
+    at least ``min_alignment`` of the step: it can lower the result's component along ``u`` by at most
+    ``1 - min_alignment`` times its weight share, whatever it sends. The reference is the robust estimate itself, as
+    FLTrust (Cao et al., NDSS 2021) scores each sender against a trusted gradient.
+
+    Lowering an honest sender's weight (its part was noisy) raises everyone else's share, an attacker's too: so
+    whenever weights were lowered, the second CenteredClip keeps the clipping radius of the vote (``tau`` if given),
+    the scale of the honest distances, and a sender far away still moves the result by at most that radius.
+    With 2 senders alignment can't tell who lies (their alignments add up to 2): only ``prior`` counts.
+
+    Args:
+        parts, weights, tau, iters: as :func:`centered_clip`.
+        min_alignment: in (0, 1], or None: no alignment screen (``prior`` still applies).
+        prior: each sender's weight factor in [0, 1] from past rounds (None: 1 each). Ignored if it would leave no
+            weight at all.
+
+    Returns (the result, each sender's alignment factor this round: 1.0 for a sender kept at full weight, each
+    sender's clip scale in the vote: ``min(1, radius / |x_i - u|)``, 1.0 for a sender within the radius; both 1.0
+    without the screen or with fewer than 3 senders).
+    """
     if len(parts) == 1:
-        return parts[0].to(torch.float32).clone()
+        return parts[0].to(torch.float32).clone(), [1.0], [1.0]
     rows = [p.reshape(-1).to(torch.float32) for p in parts]
     n, size = len(rows), rows[0].numel()
     w = torch.tensor(weights, dtype=torch.float64)
     # no sender outweighs the median sender: CenteredClip resists a minority of the weight, and a fast (or lying)
     # peer must not buy a majority with its sample count
     w = torch.minimum(w, w.median())
-    w = w / w.sum()
+    w = (w / w.sum()).numpy()
     # The estimate stays its start plus a combination of the senders' differences from it, v = start + D a with
     # D = (x_1 - start, ..., x_n - start): each step adds sum_i c_i (x_i - v) = D (sum_i c_i (e_i - a)). So the
     # iterations run on the n coefficients a and the n x n Gram matrix of D, and the part is built once at the end:
@@ -146,9 +190,40 @@ def centered_clip(
     products = _gram(basis)
     gram, start_products, start_norm2 = products[:n, :n], products[:n, n], products[n, n]
     # n numbers a step: numpy, whose calls on tiny arrays cost microseconds where torch's cost tens
-    w = w.numpy()
+    scaled = w
+    if prior is not None and (w * np.asarray(prior, dtype=np.float64)).sum() > 0:
+        scaled = w * np.asarray(prior, dtype=np.float64)
+    factors, radius, scales = np.ones(n), tau, np.ones(n)
+    if min_alignment is not None and n > 2:
+        direction, vote_radius = _clip_coefficients(np.full(n, 1.0 / n), gram, start_products, start_norm2, tau, iters)
+        # <x_i, u> and |u|^2 from the Gram matrix: x_i = start + D e_i, u = start + D a
+        along = start_norm2 + start_products @ direction + start_products + gram @ direction
+        norm2 = start_norm2 + 2 * start_products @ direction + direction @ gram @ direction
+        if norm2 > 0:
+            factors = np.clip(along / norm2 / min_alignment, 0.0, 1.0)
+            if (scaled * factors).sum() > 0:
+                scaled = scaled * factors
+        differences_to_u = np.eye(n) - direction
+        distances = np.sqrt(np.maximum(np.einsum("ik,kl,il->i", differences_to_u, gram, differences_to_u), 0.0))
+        scales = np.minimum(1.0, vote_radius / np.maximum(distances, 1e-30))
+        if not np.allclose(scaled / scaled.sum(), w):
+            radius = vote_radius
+    coefficients, _ = _clip_coefficients(scaled / scaled.sum(), gram, start_products, start_norm2, radius, iters)
+    estimate = torch.empty(size, dtype=torch.float32)  # fresh: it is handed to the senders
+    torch.matmul(torch.from_numpy(coefficients).to(torch.float32).unsqueeze(0), differences,
+                 out=estimate.view(1, size))
+    estimate += start
+    return estimate.reshape(parts[0].shape), factors.tolist(), scales.tolist()
+
+
+def _clip_coefficients(w: np.ndarray, gram: np.ndarray, start_products: np.ndarray, start_norm2: float,
+                       tau: Optional[float], iters: int) -> tuple[np.ndarray, float]:
+    """CenteredClip's iterations on the coefficients ``a`` of ``v = start + D a`` (see :func:`aligned_centered_clip`),
+    from ``a = 0``, with normalised weights ``w`` and ``D``'s Gram matrix. Returns (``a``, the last radius)."""
+    n = len(w)
     coefficients = np.zeros(n)
     senders = np.eye(n)  # x_i - start in the basis D
+    radius = 0.0
     for _ in range(iters):
         diffs = senders - coefficients  # x_i - v, per sender
         norms = np.sqrt(np.maximum(np.einsum("ik,kl,il->i", diffs, gram, diffs), 0.0))
@@ -159,11 +234,7 @@ def centered_clip(
         norm2 = start_norm2 + 2 * coefficients @ start_products + coefficients @ gram @ coefficients  # |v|^2
         if math.sqrt(max(step @ gram @ step, 0.0)) <= CENTERED_CLIP_TOLERANCE * math.sqrt(max(norm2, 0.0)):
             break
-    estimate = torch.empty(size, dtype=torch.float32)  # fresh: it is handed to the senders
-    torch.matmul(torch.from_numpy(coefficients).to(torch.float32).unsqueeze(0), differences,
-                 out=estimate.view(1, size))
-    estimate += start
-    return estimate.reshape(parts[0].shape)
+    return coefficients, radius
 
 
 def _gram(rows: torch.Tensor) -> np.ndarray:
@@ -215,17 +286,58 @@ def aggregate_parts(
     aggregation: str = "mean",
     tau: Optional[float] = None,
     iters: int = DEFAULT_CENTERED_CLIP_ITERS,
-) -> torch.Tensor:
-    """The group's result for one part: ``aggregation`` is "mean" or "centered_clip" (with ``tau``, ``iters``)."""
+    min_alignment: Optional[float] = None,
+    trust: Optional[Sequence[float]] = None,
+) -> tuple[torch.Tensor, Optional[List[Tuple[float, float]]]]:
+    """The group's result for one part: ``aggregation`` is "mean" or "centered_clip" (with ``tau``, ``iters``, and
+    the alignment screen of :func:`aligned_centered_clip` if ``min_alignment`` is given: each sender's weight also
+    scaled by its ``trust``). Returns (the result, each sender's (alignment factor, clip scale); None: not
+    screened)."""
     if aggregation == "mean":
-        return weighted_mean(parts, weights)
+        return weighted_mean(parts, weights), None
     if aggregation == "centered_clip":
-        return centered_clip(parts, weights, tau=tau, iters=iters)
+        if min_alignment is None:
+            return centered_clip(parts, weights, tau=tau, iters=iters), None
+        result, factors, scales = aligned_centered_clip(parts, weights, tau, iters, min_alignment, prior=trust)
+        return result, list(zip(factors, scales))
     raise ValueError(f"aggregation must be one of {AGGREGATION_CHOICES}, got {aggregation!r}")
 
 
-def check_aggregation_options(aggregation: str, tau: Optional[float], iters: int) -> None:
-    """Raise a clear ValueError for a bad aggregation name, tau or iteration count."""
+class SenderTrust:
+    """Each sender's record across rounds (kept by one reducer for the whole run): the mean of its records, its
+    alignment factor times its clip scale in the vote (:func:`aligned_centered_clip`), over the rounds in which it
+    could be judged (3 or more senders), each round weighing ``decay`` times the next one and counting as much as the
+    sender's weight in it relative to the group's median weight (at most 1: a peer that had few samples sent a noisy
+    part, which says little). A sender is trusted (1.0) until judged; one that went against the group's estimate,
+    or sat far outside the honest distances (x1e3), keeps a low trust for the next rounds, in which its weight is
+    scaled by it. That decides rounds of 2 senders, which neither alignment nor clipping can (the 2 alignments add
+    up to 2, and CenteredClip of 2 equal weights is their mean).
+
+    Args:
+        decay: weight of a round relative to the next one, in [0, 1) (0: only the last judged round counts).
+    """
+
+    def __init__(self, decay: float = TRUST_DECAY):
+        self.decay = decay
+        self._sums: Dict[Hashable, List[float]] = {}  # sender -> [decayed sum of factors, decayed count]
+
+    def trust(self, sender: Hashable) -> float:
+        """The sender's trust in [0, 1] (1.0 for a sender never judged)."""
+        total, count = self._sums.get(sender, (0.0, 0.0))
+        return total / count if count > 0 else 1.0
+
+    def update(self, judged: Dict[Hashable, Tuple[float, float]]) -> None:
+        """Add one round: each judged sender's (record in [0, 1], evidence in [0, 1]: its weight relative to the
+        median sender's, at most 1)."""
+        for sender, (factor, evidence) in judged.items():
+            total, count = self._sums.get(sender, (0.0, 0.0))
+            self._sums[sender] = [self.decay * total + float(evidence) * float(factor),
+                                  self.decay * count + float(evidence)]
+
+
+def check_aggregation_options(aggregation: str, tau: Optional[float], iters: int,
+                              min_alignment: Optional[float] = None) -> None:
+    """Raise a clear ValueError for a bad aggregation name, tau, iteration count or minimum alignment."""
     if aggregation not in AGGREGATION_CHOICES:
         raise ValueError(f"aggregation must be one of {AGGREGATION_CHOICES}, got {aggregation!r}")
     if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau)
@@ -233,3 +345,6 @@ def check_aggregation_options(aggregation: str, tau: Optional[float], iters: int
         raise ValueError(f"centered_clip_tau must be a finite number > 0 (or None: adaptive), got {tau!r}")
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
         raise ValueError(f"centered_clip_iters must be an integer >= 1, got {iters!r}")
+    if min_alignment is not None and (isinstance(min_alignment, bool) or not isinstance(min_alignment, (int, float))
+                                      or not 0 < min_alignment <= 1):
+        raise ValueError(f"centered_clip_min_alignment must be a number in (0, 1] (or None: off), got {min_alignment!r}")

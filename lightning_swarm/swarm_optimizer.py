@@ -72,7 +72,8 @@ def build_swarm_optimizer(
         make_scheduler: the LR scheduler re-created on the swarm's optimizer (:func:`scheduler_factory`), or None.
         swarm_auth: this peer's credentials in a run with an authority, or None.
         grad_averager_class: the gradient averager to build (HivemindStrategy.grad_averager_class).
-        robust_averaging_opts: ``aggregation``, ``centered_clip_tau``, ``centered_clip_iters`` of both averagers.
+        robust_averaging_opts: ``aggregation``, ``centered_clip_tau``, ``centered_clip_iters`` of both averagers,
+            ``centered_clip_min_alignment`` of the gradient averager.
         hivemind_kwargs: hivemind.Optimizer arguments from the strategy's options (``hivemind_optimizer_options``).
         link_mbit: the strategy's option: the averaging timeouts are fitted to it (:mod:`lightning_swarm.link_budget`).
         overrides: hivemind.Optimizer arguments that replace those (the monitor sets ``use_local_updates=True``...).

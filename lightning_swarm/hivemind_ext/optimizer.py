@@ -35,8 +35,9 @@ from lightning_swarm.hivemind_ext.finite_state import FiniteStateDownload
 from lightning_swarm.hivemind_ext.grad_averager import SampleWeightedGradientAverager
 from lightning_swarm.hivemind_ext.matchmaking import ThrottledLeaderSearch
 from lightning_swarm.hivemind_ext.state_download import NoStateDownload, VerifiedStateDownload
-from lightning_swarm.hivemind_ext.robust_allreduce import ProgressBoundedWeights, RobustAveraging
+from lightning_swarm.hivemind_ext.robust_allreduce import RobustAveraging
 from lightning_swarm.hivemind_ext.round_groups import PatientGroupRegistration
+from lightning_swarm.hivemind_ext.weight_bounds import ProgressBoundedWeights
 from lightning_swarm.hivemind_ext.tracker import ThrottledProgressTracker
 
 log = logging.getLogger(__name__)
@@ -71,10 +72,11 @@ class SwarmGradientAverager(HivemindRpcNames, AuthenticatedAveraging, PatientGro
                             ProgressBoundedWeights, SampleWeightedGradientAverager, NoStateDownload):
     """Gradient averager of a SwarmOptimizer: mean over samples, throttled leader search (``leader_poll_interval``),
     groupmates' parts wait for their group to be registered (:mod:`~lightning_swarm.hivemind_ext.round_groups`),
-    screened all-reduce (``aggregation``, ``centered_clip_tau``, ``centered_clip_iters``; each sender's weight at
-    most the samples in its progress record, read from ``progress_key``), no non-finite gradient sent, and a
-    newcomer does not download the donor's gradient buffers (they are reset right after); in a run with an
-    authority only authenticated peers share a group (``swarm_auth``)."""
+    screened all-reduce (``aggregation``, ``centered_clip_tau``, ``centered_clip_iters``,
+    ``centered_clip_min_alignment``; each sender's weight at most the samples in its progress record, read from
+    ``progress_key``), no non-finite gradient sent, and a newcomer does not download the donor's gradient buffers
+    (they are reset right after); in a run with an authority only authenticated peers share a group
+    (``swarm_auth``)."""
 
 
 class SwarmStateAverager(HivemindRpcNames, AuthenticatedAveraging, PatientGroupRegistration, ThrottledLeaderSearch,
@@ -87,6 +89,8 @@ class SwarmStateAverager(HivemindRpcNames, AuthenticatedAveraging, PatientGroupR
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("max_sender_weight", 1.0)
+        # parameters and optimizer state all go along their average: the alignment screen is for gradients
+        kwargs.pop("centered_clip_min_alignment", None)
         super().__init__(*args, **kwargs)
 
 

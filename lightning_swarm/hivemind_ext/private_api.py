@@ -127,7 +127,7 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
         ("TensorPartReducer.reset_accumulators", "overridden: keep each sender's part instead of a running sum"),
         ("TensorPartReducer.accumulate_part", "overridden: hivemind's wait-for-part logic, storing the part"),
         ("TensorPartReducer.check_current_part_finished", "overridden: aggregate the screened parts in a thread"),
-        ("TensorPartReducer.finalize", "extended: log the refused senders once per round"),
+        ("TensorPartReducer.finalize", "extended: log the refused senders, record their alignment, once per round"),
         ("TensorPartContainer.register_processed_part", "extended: refuse a non-finite result from a reducer"),
         ("TensorPartContainer.finalize", "extended: log the reducers whose results were refused"),
     ])

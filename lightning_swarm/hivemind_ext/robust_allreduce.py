@@ -28,7 +28,7 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from collections import defaultdict
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
@@ -41,17 +41,19 @@ from hivemind.utils.asyncio import as_aiter, azip
 from lightning_swarm.aggregation import (
     DEFAULT_CENTERED_CLIP_ITERS,
     Refusal,
+    SenderTrust,
     aggregate_parts,
     all_finite,
     check_aggregation_options,
     screen_contributions,
 )
-from lightning_swarm.hivemind_ext.state import progress_key as run_progress_key
 
 log = logging.getLogger(__name__)
 
 
 _EXECUTOR: Tuple[int, Optional[ThreadPoolExecutor]] = (0, None)
+# a sender whose trust (SenderTrust) is below this is named in the log (honest peers' trust is often a little below 1)
+LOGGED_TRUST = 0.5
 
 
 def aggregation_executor() -> ThreadPoolExecutor:
@@ -68,13 +70,29 @@ def aggregation_executor() -> ThreadPoolExecutor:
 
 def screen_and_aggregate(parts: Sequence[Optional[torch.Tensor]], weights: Sequence[float],
                          max_weights: Optional[Sequence[float]], aggregation: str, tau: Optional[float],
-                         iters: int) -> Tuple[Optional[torch.Tensor], List[Refusal]]:
+                         iters: int, min_alignment: Optional[float] = None, trust: Optional[Sequence[float]] = None,
+                         ) -> Tuple[Optional[torch.Tensor], List[Refusal], Dict[int, Tuple[float, float]]]:
     """One part's group result from each sender's part and weight (None if no sender's contribution was accepted),
-    and the refusals (see :func:`lightning_swarm.aggregation.screen_contributions`)."""
+    the refusals (see :func:`lightning_swarm.aggregation.screen_contributions`), and each accepted sender's record
+    for :class:`~lightning_swarm.aggregation.SenderTrust`: (its alignment factor times its clip scale, see
+    :func:`lightning_swarm.aggregation.aligned_centered_clip`; its evidence, its weight relative to the median accepted
+    weight, at most 1); empty without ``min_alignment``, or with fewer than 3 accepted senders, where neither can tell
+    who lies. ``trust``: each sender's weight factor from its past rounds (with ``min_alignment``)."""
     accepted, accepted_weights, refusals = screen_contributions(parts, weights, max_weights)
     if not accepted:
-        return None, refusals
-    return aggregate_parts([parts[i] for i in accepted], accepted_weights, aggregation, tau, iters), refusals
+        return None, refusals, {}
+    result, judged = aggregate_parts(
+        [parts[i] for i in accepted], accepted_weights, aggregation, tau, iters, min_alignment,
+        None if trust is None else [trust[i] for i in accepted])
+    if judged is None or len(accepted) < 3:
+        return result, refusals, {}
+    for sender, (factor, _) in zip(accepted, judged):
+        if factor < 1.0:
+            refusals.append(Refusal(sender, f"weight lowered: its part goes along less than {min_alignment:g} of "
+                                            "the group's estimate"))
+    median = float(torch.tensor(accepted_weights).median())
+    return result, refusals, {sender: (factor * scale, min(1.0, weight / median))
+                              for sender, (factor, scale), weight in zip(accepted, judged, accepted_weights)}
 
 
 class RobustTensorPartReducer(TensorPartReducer):
@@ -86,14 +104,25 @@ class RobustTensorPartReducer(TensorPartReducer):
         aggregation: "mean" or "centered_clip".
         centered_clip_tau, centered_clip_iters: CenteredClip's radius (None: adaptive) and iteration count.
         max_weights: the largest weight accepted from each sender (None: no bound).
+        min_alignment: CenteredClip's alignment screen (None: off), see
+            :func:`lightning_swarm.aggregation.aligned_centered_clip`.
+        trust: each sender's weight factor from its past rounds (None: 1.0 each), with ``min_alignment``.
+        on_alignment: called once, when the round ends, with each judged sender's (record, evidence) over this
+            reducer's parts (see :class:`~lightning_swarm.aggregation.SenderTrust`; senders never judged:
+            left out).
     """
 
     def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, *, sender_names: Sequence[str],
                  aggregation: str = "mean", centered_clip_tau: Optional[float] = None,
                  centered_clip_iters: int = DEFAULT_CENTERED_CLIP_ITERS,
-                 max_weights: Optional[Sequence[float]] = None):
+                 max_weights: Optional[Sequence[float]] = None, min_alignment: Optional[float] = None,
+                 trust: Optional[Sequence[float]] = None,
+                 on_alignment: Optional[Callable[[Dict[int, Tuple[float, float]]], None]] = None):
         self.sender_names, self.aggregation = list(sender_names), aggregation
         self.centered_clip_tau, self.centered_clip_iters, self.max_weights = centered_clip_tau, centered_clip_iters, max_weights
+        self.min_alignment, self.trust, self.on_alignment = min_alignment, trust, on_alignment
+        self.alignment: Dict[int, List[Tuple[float, float]]] = defaultdict(list)  # sender -> (record, evidence)/part
+        self._parts_sent = [0] * num_senders  # parts each sender sent with a weight (for the log)
         self.refusals: Dict[int, Dict[str, int]] = defaultdict(lambda: defaultdict(int))  # sender -> reason -> parts
         self.parts_without_contribution = 0  # parts no sender entered with a positive weight (each keeps its own)
         self._parts: List[Optional[torch.Tensor]] = [None] * num_senders
@@ -133,6 +162,7 @@ class RobustTensorPartReducer(TensorPartReducer):
         current_part_future = self.current_part_future
         if part_index < self.sender_failed_after[sender_index]:
             self._parts[sender_index], self._weights[sender_index] = tensor_part, weight
+            self._parts_sent[sender_index] += weight != 0
             self.current_part_accumulated_from += 1
             self.check_current_part_finished()
         result = await current_part_future
@@ -157,13 +187,15 @@ class RobustTensorPartReducer(TensorPartReducer):
         """Aggregate one part in the aggregation thread (the event loop keeps receiving and sending meanwhile), then
         hand the result to the senders waiting on ``future``."""
         try:
-            result, refusals = await asyncio.get_running_loop().run_in_executor(
+            result, refusals, factors = await asyncio.get_running_loop().run_in_executor(
                 aggregation_executor(), screen_and_aggregate, parts, weights, self.max_weights, self.aggregation,
-                self.centered_clip_tau, self.centered_clip_iters)
+                self.centered_clip_tau, self.centered_clip_iters, self.min_alignment, self.trust)
             for refusal in refusals:
                 self.refusals[refusal.sender][refusal.reason] += 1
             if result is None:
                 self.parts_without_contribution += 1
+            for sender, judged in factors.items():
+                self.alignment[sender].append(judged)
             if not future.done():
                 future.set_result(result)
         except BaseException as e:
@@ -177,16 +209,29 @@ class RobustTensorPartReducer(TensorPartReducer):
 
     def finalize(self):
         if not self.finished.is_set():
-            for sender, reasons in self.refusals.items():
-                text = "; ".join(f"{reason} ({count} of {self.num_parts} parts)" for reason, count in reasons.items())
-                log.warning(f"[lightning_swarm] averaging: from sender {self.sender_names[sender]}: {text}")
+            texts = {sender: [f"{reason} ({count} of {self.num_parts} parts)" for reason, count in reasons.items()]
+                     for sender, reasons in self.refusals.items()}
+            for sender, trust in enumerate(self.trust or ()):
+                if trust < LOGGED_TRUST and self._parts_sent[sender]:
+                    texts.setdefault(sender, []).append(f"its weight x{trust:.2f} from its record in past rounds")
+            for sender, text in texts.items():
+                log.warning(f"[lightning_swarm] averaging: from sender {self.sender_names[sender]}: {'; '.join(text)}")
             if self.parts_without_contribution:
                 # e.g. the only sender with samples was left out of the rest of the round (hivemind's
                 # next_chunk_timeout): a peer that tagged along with weight 0 then gets its own zeros back there
                 log.warning(f"[lightning_swarm] averaging: no sender contributed with a positive weight to "
                             f"{self.parts_without_contribution} of {self.num_parts} parts (senders left out of the "
                             f"round, refused or of weight 0): each sender keeps its own values there")
+            if self.on_alignment is not None and self.alignment:
+                self.on_alignment({sender: _round_alignment(judged) for sender, judged in self.alignment.items()})
         super().finalize()
+
+
+def _round_alignment(judged: Sequence[Tuple[float, float]]) -> Tuple[float, float]:
+    """One sender's (record, evidence) over a round's parts: the evidence-weighted mean record, the mean evidence."""
+    evidence = sum(e for _, e in judged)
+    factor = sum(f * e for f, e in judged) / evidence if evidence > 0 else 1.0
+    return factor, evidence / len(judged)
 
 
 class CheckedTensorPartContainer(TensorPartContainer):
@@ -227,12 +272,16 @@ class RobustAllReduceRunner(AllReduceRunner):
     Args:
         aggregation, centered_clip_tau, centered_clip_iters: see :class:`RobustTensorPartReducer`.
         max_weight_by_peer: the largest weight accepted from each sender (missing: 0, i.e. refused); None: no bound.
+        min_alignment: CenteredClip's alignment screen (None: off).
+        sender_trust: the senders' alignment history (updated when this peer's reducer ends the round), with
+            ``min_alignment``.
         **kwargs: as hivemind's AllReduceRunner (and its TensorPartContainer).
     """
 
     def __init__(self, *, aggregation: str = "mean", centered_clip_tau: Optional[float] = None,
                  centered_clip_iters: int = DEFAULT_CENTERED_CLIP_ITERS,
-                 max_weight_by_peer: Optional[Dict[PeerID, float]] = None, **kwargs):
+                 max_weight_by_peer: Optional[Dict[PeerID, float]] = None, min_alignment: Optional[float] = None,
+                 sender_trust: Optional[SenderTrust] = None, **kwargs):
         super().__init__(**kwargs)
         # hivemind builds its container and reducer inline: replace both (marked finished, they finalize silently)
         self.tensor_part_container.finished.set()
@@ -248,10 +297,16 @@ class RobustAllReduceRunner(AllReduceRunner):
         if max_weight_by_peer is not None:
             # this peer's own weight too: its progress record is what the other reducers check it against
             max_weights = [max_weight_by_peer.get(peer, 0.0) for peer in self.sender_peer_ids]
+        trust = on_alignment = None
+        if min_alignment is not None and sender_trust is not None:
+            senders = list(self.sender_peer_ids)
+            trust = [sender_trust.trust(peer) for peer in senders]
+            on_alignment = lambda factors: sender_trust.update({senders[i]: f for i, f in factors.items()})  # noqa: E731
         self.tensor_part_reducer = RobustTensorPartReducer(
             tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids),
             sender_names=[str(peer) for peer in self.sender_peer_ids], aggregation=aggregation,
             centered_clip_tau=centered_clip_tau, centered_clip_iters=centered_clip_iters, max_weights=max_weights,
+            min_alignment=min_alignment, trust=trust, on_alignment=on_alignment,
         )
 
 
@@ -264,15 +319,21 @@ class RobustAveraging:
         centered_clip_iters: CenteredClip's maximum number of iterations.
         max_sender_weight: a fixed bound for every sender's weight (e.g. 1.0 for state averaging, where hivemind
             gives every peer weight 1); None: :meth:`sender_weight_bounds` decides.
+        centered_clip_min_alignment: with CenteredClip, the alignment screen and the senders' alignment history
+            (:func:`lightning_swarm.aggregation.aligned_centered_clip`, :class:`~lightning_swarm.aggregation.SenderTrust`,
+            kept in the averager's process for the whole run); None: off. For gradients: parameters and optimizer
+            state all go along their average.
         *args, **kwargs: as the averager class this is mixed into.
     """
 
     def __init__(self, *args, aggregation: str = "mean", centered_clip_tau: Optional[float] = None,
                  centered_clip_iters: int = DEFAULT_CENTERED_CLIP_ITERS, max_sender_weight: Optional[float] = None,
-                 **kwargs):
-        check_aggregation_options(aggregation, centered_clip_tau, centered_clip_iters)
+                 centered_clip_min_alignment: Optional[float] = None, **kwargs):
+        check_aggregation_options(aggregation, centered_clip_tau, centered_clip_iters, centered_clip_min_alignment)
         self.aggregation, self.centered_clip_tau, self.centered_clip_iters = aggregation, centered_clip_tau, centered_clip_iters
         self.max_sender_weight = max_sender_weight
+        self.min_alignment = centered_clip_min_alignment if aggregation == "centered_clip" else None
+        self.sender_trust = SenderTrust()
         super().__init__(*args, **kwargs)  # may start the averager's process: the options must be set before
 
     async def sender_weight_bounds(self, group_info: GroupInfo) -> Optional[Dict[PeerID, float]]:
@@ -290,7 +351,8 @@ class RobustAveraging:
             p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
             ordered_peer_ids=group_info.peer_ids, aggregation=self.aggregation,
             centered_clip_tau=self.centered_clip_tau, centered_clip_iters=self.centered_clip_iters,
-            max_weight_by_peer=await self.sender_weight_bounds(group_info), **kwargs,
+            max_weight_by_peer=await self.sender_weight_bounds(group_info), min_alignment=self.min_alignment,
+            sender_trust=self.sender_trust, **kwargs,
         )
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
@@ -302,69 +364,3 @@ class RobustAveraging:
         else:
             async for _ in runner:
                 raise ValueError("aux peers should not receive averaged tensors")
-
-
-class ProgressBoundedWeights(RobustAveraging):
-    """RobustAveraging for gradients: a sender's weight is at most the samples it reported to the progress tracker.
-
-    The bound is ``samples_accumulated`` in the sender's latest progress record (a sender without a record, or with
-    0 samples in it: the largest bound in the group; no bound at all if the records can't be read), nothing more:
-    extrapolating with the samples/s a record declares would let a sender raise its own bound. An honest peer
-    publishes its progress when its step ends the epoch
-    (:class:`~lightning_swarm.hivemind_ext.tracker.ThrottledProgressTracker`), so its record is at most a step or two
-    behind its weight, which then counts a little less (with ``delay_grad_averaging``, more: the record may already
-    count the next epoch's samples).
-
-    Args:
-        progress_key: the run's progress key in the DHT (``f"{run_id}_progress"``). Default: derived from the
-            averager's prefix as hivemind.Optimizer names it (``f"{run_id}_grad_averager"``).
-        *args, **kwargs: as :class:`RobustAveraging`.
-    """
-
-    def __init__(self, *args, progress_key: Optional[str] = None, **kwargs):
-        if progress_key is None:
-            prefix = kwargs.get("prefix", "")
-            if not prefix.endswith("_grad_averager"):
-                raise ValueError(f"give progress_key: it can't be derived from the averager's prefix {prefix!r}")
-            progress_key = run_progress_key(prefix[: -len("_grad_averager")])
-        self.progress_key = progress_key
-        super().__init__(*args, **kwargs)
-
-    async def sender_weight_bounds(self, group_info: GroupInfo) -> Optional[Dict[PeerID, float]]:
-        try:
-            found = await asyncio.wait_for(self.dht.get(self.progress_key, latest=True, return_future=True),
-                                           timeout=self.request_timeout)
-        except Exception as e:  # refusing everyone would split the swarm: CenteredClip's median cap still holds
-            log.warning(f"[lightning_swarm] averaging: could not read the progress records ({e!r}): "
-                        "no weight bounds this round")
-            return None
-        # a record of 0 samples says nothing about this round: with delay_grad_averaging its peer may already have
-        # published the next epoch's (a sender refused by every reducer would keep its own gradient, out of sync)
-        bounds = {peer: bound for peer, bound in progress_weight_bounds(found.value if found else None).items()
-                  if bound > 0}
-        if not bounds:
-            return None
-        # a sender without a record (it expired, was reset, or was not yet stored) may claim as much as the
-        # best-documented peer of the group
-        fallback = max(bounds.values())
-        return {peer: bounds.get(peer, fallback) for peer in group_info.peer_ids}
-
-
-def progress_weight_bounds(records: object) -> Dict[PeerID, float]:
-    """Per-peer bound on a gradient weight from the progress records in the DHT (subkey -> ValueWithExpiration of
-    hivemind's ``LocalTrainingProgress`` dict): its ``samples_accumulated``. Malformed records are skipped. A peer id
-    claimed by several records gets the largest bound (a peer cannot lower another's)."""
-    bounds: Dict[PeerID, float] = {}
-    if not isinstance(records, dict):
-        return bounds
-    for entry in records.values():
-        value = getattr(entry, "value", None)
-        if not isinstance(value, dict):
-            continue
-        try:
-            peer, samples = PeerID(value["peer_id"]), float(value["samples_accumulated"])
-        except Exception:
-            continue
-        if samples == samples and samples != float("inf"):  # finite
-            bounds[peer] = max(bounds.get(peer, 0.0), samples)
-    return bounds

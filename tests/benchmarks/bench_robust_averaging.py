@@ -2,22 +2,25 @@
 
 1. round: time of one all-reduce round of a 25M-parameter model (10 tensors of 2.5M values) among 3 local peers, each
    a hivemind DecentralizedAverager in its own process, with the swarm's default wire codec (8-bit): hivemind's own
-   all-reduce, our screened weighted mean (aggregation="mean") and CenteredClip (aggregation="centered_clip"), in
-   interleaved repeats. Timed from the moment the group is formed (matchmaking excluded) to the peer's last update;
-   a round's time is its slowest peer's.
-2. part: the arithmetic alone, in this process with 1 torch thread: screening + weighted mean and screening +
-   CenteredClip of one all-reduce part (3 senders x 524,288 float32 values, the part size of a 25M-parameter round
-   with the 8-bit codec), median of 30 calls each, in CPU time of the calling thread (less sensitive than wall time to
-   other processes on a shared machine).
+   all-reduce, our screened weighted mean (aggregation="mean"), CenteredClip (aggregation="centered_clip") and
+   CenteredClip with its alignment screen (centered_clip_min_alignment=0.5, "centered_clip+align"), in interleaved
+   repeats. Timed from the moment the group is formed (matchmaking excluded) to the peer's last update; a round's
+   time is its slowest peer's.
+2. part: the arithmetic alone, in this process with 1 torch thread: screening + weighted mean, screening +
+   CenteredClip, and CenteredClip with the alignment screen (honest senders, and one negated) of one all-reduce part
+   (3 senders x 524,288 float32 values, the part size of a 25M-parameter round with the 8-bit codec), median of 30
+   calls each, in CPU time of the calling thread (less sensitive than wall time to other processes on a shared
+   machine).
 3. attacks: the honest peers' validation loss in a 3-peer HivemindStrategy swarm (tests/lightning_swarm/byzantine.py:
    tiny regression, 4 global epochs) without an attacker and with a third peer that sends gradients x1e3, NaN
-   gradients, or claims weight 1e9 with negated gradients; each with aggregation="mean" and "centered_clip", and
-   with each worker momentum of BENCH_WORKER_MOMENTA (default 0: off), attacker included.
+   gradients, or claims weight 1e9 with negated gradients; each with aggregation="mean" and "centered_clip", with
+   each worker momentum of BENCH_WORKER_MOMENTA (default 0: off), attacker included, and for CenteredClip each
+   alignment screen of BENCH_MIN_ALIGNMENTS (default 0.5; "off": none).
 
 Run: python tests/benchmarks/bench_robust_averaging.py [round|part|attacks|all]
      BENCH_REPEATS=5 BENCH_ROUNDS=3 python tests/benchmarks/bench_robust_averaging.py round   (5 x 3 rounds each)
      BENCH_AGGREGATIONS=mean python tests/benchmarks/bench_robust_averaging.py attacks
-     BENCH_AGGREGATIONS=centered_clip BENCH_WORKER_MOMENTA=0,0.9 BENCH_ATTACKS=none,weight \
+     BENCH_AGGREGATIONS=centered_clip BENCH_MIN_ALIGNMENTS=off,0.5 BENCH_ATTACKS=none,weight \
          python tests/benchmarks/bench_robust_averaging.py attacks
 The machine is shared (2 cores, 3 peers): say what else ran when quoting the figures.
 """
@@ -36,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests" / "lightning_swarm"
 NUM_PEERS = 3
-VARIANTS = ("hivemind", "mean", "centered_clip")
+VARIANTS = ("hivemind", "mean", "centered_clip", "centered_clip+align")  # +align: min_alignment 0.5
 
 
 def round_peer(variant: str, initial_peer: str, rounds: int) -> None:
@@ -46,6 +49,7 @@ def round_peer(variant: str, initial_peer: str, rounds: int) -> None:
     from hivemind.averaging import DecentralizedAverager
     from hivemind.averaging.control import AveragingStage
 
+    from lightning_swarm.aggregation import DEFAULT_MIN_ALIGNMENT
     from lightning_swarm.compression import default_compression
     from lightning_swarm.hivemind_ext.robust_allreduce import RobustAveraging
 
@@ -64,7 +68,9 @@ def round_peer(variant: str, initial_peer: str, rounds: int) -> None:
     if variant == "hivemind":
         averager = DecentralizedAverager(tensors, **options)
     else:
-        averager = ScreenedAverager(tensors, aggregation=variant, **options)
+        aggregation, _, align = variant.partition("+")
+        averager = ScreenedAverager(tensors, aggregation=aggregation,
+                                    centered_clip_min_alignment=DEFAULT_MIN_ALIGNMENT if align else None, **options)
     times = []
     for _ in range(rounds):
         control = averager.step(wait=False, require_trigger=True, timeout=120)
@@ -115,12 +121,14 @@ def bench_round() -> None:
     for variant in VARIANTS:
         print(f"  {variant:>14}: {medians[variant]:.2f} s  (min {min(times[variant]):.2f}, max {max(times[variant]):.2f})"
               f"  x{medians[variant] / medians['hivemind']:.2f} of hivemind's")
-    print(f"  centered_clip / mean: x{medians['centered_clip'] / medians['mean']:.2f}")
+    print(f"  centered_clip / mean: x{medians['centered_clip'] / medians['mean']:.2f}, centered_clip+align / mean: "
+          f"x{medians['centered_clip+align'] / medians['mean']:.2f}")
 
 
 def bench_part() -> None:
     import torch
 
+    from lightning_swarm.aggregation import DEFAULT_MIN_ALIGNMENT
     from lightning_swarm.hivemind_ext.robust_allreduce import screen_and_aggregate
 
     torch.set_num_threads(1)
@@ -128,18 +136,23 @@ def bench_part() -> None:
     common = torch.randn(524_288, generator=generator)
     parts = [common + 0.5 * torch.randn(524_288, generator=generator) for _ in range(NUM_PEERS)]
     weights = [1.0] * NUM_PEERS
+    # (aggregation, min_alignment, the last sender negated: the screen lowers its weight)
+    cases = {"mean": ("mean", None, False), "centered_clip": ("centered_clip", None, False),
+             "centered_clip+align": ("centered_clip", DEFAULT_MIN_ALIGNMENT, False),
+             "centered_clip+align, 1 negated": ("centered_clip", DEFAULT_MIN_ALIGNMENT, True)}
     medians = {}
-    for aggregation in ("mean", "centered_clip"):
-        screen_and_aggregate(parts, weights, None, aggregation, None, 20)  # warm-up
+    for name, (aggregation, min_alignment, negated) in cases.items():
+        senders = parts[:-1] + [-parts[-1]] if negated else parts
+        screen_and_aggregate(senders, weights, None, aggregation, None, 20, min_alignment)  # warm-up
         times = []
         for _ in range(30):
             start = time.thread_time()
-            screen_and_aggregate(parts, weights, None, aggregation, None, 20)
+            screen_and_aggregate(senders, weights, None, aggregation, None, 20, min_alignment)
             times.append(time.thread_time() - start)
-        medians[aggregation] = statistics.median(times)
-    print(f"\none part ({NUM_PEERS} x 524,288 float32), screening + aggregation, 1 thread, CPU time, median of 30: "
-          f"mean {medians['mean'] * 1e3:.2f} ms, centered_clip {medians['centered_clip'] * 1e3:.2f} ms "
-          f"(x{medians['centered_clip'] / medians['mean']:.1f})")
+        medians[name] = statistics.median(times)
+    print(f"\none part ({NUM_PEERS} x 524,288 float32), screening + aggregation, 1 thread, CPU time, median of 30:")
+    for name, median in medians.items():
+        print(f"  {name:>30}: {median * 1e3:.2f} ms (x{median / medians['mean']:.1f} of mean)")
 
 
 def bench_attacks() -> None:
@@ -147,24 +160,31 @@ def bench_attacks() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     from byzantine import run_swarm, validation_loss
 
+    from lightning_swarm.aggregation import DEFAULT_MIN_ALIGNMENT
+
     aggregations = os.environ.get("BENCH_AGGREGATIONS", "mean,centered_clip").split(",")
     momenta = [float(beta) for beta in os.environ.get("BENCH_WORKER_MOMENTA", "0").split(",")]
+    alignments = [None if value == "off" else float(value)
+                  for value in os.environ.get("BENCH_MIN_ALIGNMENTS", str(DEFAULT_MIN_ALIGNMENT)).split(",")]
     attacks = os.environ.get("BENCH_ATTACKS", "none,scale,nan,weight").split(",")
-    columns = [(aggregation, beta) for aggregation in aggregations for beta in momenta]
+    columns = [(aggregation, beta, alignment) for aggregation in aggregations for beta in momenta
+               for alignment in (alignments if aggregation == "centered_clip" else [None])]
     print(f"\nhonest peers' validation loss after 4 global epochs (initialisation: {validation_loss():.3f})")
-    print(f"  {'attack':>8} | " + " | ".join(f"{f'{aggregation} m={beta:g}':>22}" for aggregation, beta in columns))
+    names = [f"{aggregation} m={beta:g} a={'off' if alignment is None else alignment}"
+             for aggregation, beta, alignment in columns]
+    print(f"  {'attack':>8} | " + " | ".join(f"{name:>28}" for name in names))
     for attack in attacks:
         cells = []
-        for aggregation, beta in columns:
+        for aggregation, beta, alignment in columns:
             with tempfile.TemporaryDirectory() as root:
                 try:
                     params, _ = run_swarm(Path(root), None if attack == "none" else attack, aggregation,
-                                          worker_momentum=beta)
+                                          worker_momentum=beta, min_alignment=alignment)
                     losses = [validation_loss(p) for p in params]
                     cells.append(" / ".join(f"{loss:.4g}" for loss in losses))
                 except Exception as e:  # an attack that stops the honest peers is a result too
                     cells.append(f"failed: {type(e).__name__}")
-        print(f"  {attack:>8} | " + " | ".join(f"{cell:>22}" for cell in cells), flush=True)
+        print(f"  {attack:>8} | " + " | ".join(f"{cell:>28}" for cell in cells), flush=True)
 
 
 if __name__ == "__main__":

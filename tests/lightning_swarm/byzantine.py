@@ -21,6 +21,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from lightning_swarm.aggregation import DEFAULT_MIN_ALIGNMENT
 from lightning_swarm.strategy import HivemindStrategy
 
 ATTACKS = ("scale", "nan", "weight")
@@ -80,9 +81,10 @@ SWARM_MODEL = {"lr": 0.05, "lr_decay": 1.0, "step_delay": 0.01}
 SWARM_TARGET_BATCH_SIZE = 384
 
 
-def swarm_strategy_args(run_id: str, aggregation: str, worker_momentum: float = 0.0, **overrides) -> dict:
+def swarm_strategy_args(run_id: str, aggregation: str, worker_momentum: float = 0.0,
+                        min_alignment: Optional[float] = DEFAULT_MIN_ALIGNMENT, **overrides) -> dict:
     args = dict(run_id=run_id, target_batch_size=SWARM_TARGET_BATCH_SIZE, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                worker_momentum=worker_momentum,
+                worker_momentum=worker_momentum, centered_clip_min_alignment=min_alignment,
                 matchmaking_time=1.5, averaging_timeout=15.0, load_state_timeout=20.0, metrics_interval=1.0,
                 aggregation=aggregation,
                 tracker_opts={"max_refresh_period": 1.0, "min_refresh_period": 0.2, "default_refresh_period": 0.5})
@@ -91,10 +93,12 @@ def swarm_strategy_args(run_id: str, aggregation: str, worker_momentum: float = 
 
 
 def run_swarm(root: Path, attack: Optional[str], aggregation: str = "centered_clip", timeout: float = 150.0,
-              worker_momentum: float = 0.0) -> Tuple[List[Dict[str, torch.Tensor]], List[str]]:
+              worker_momentum: float = 0.0, min_alignment: Optional[float] = DEFAULT_MIN_ALIGNMENT,
+              ) -> Tuple[List[Dict[str, torch.Tensor]], List[str]]:
     """Train 3 peers to STOP_AT_EPOCH, the third attacking with ``attack`` (None: honest); return the two honest
     peers' parameters at that epoch and their logs. Every peer (the attacker too: it then negates, scales or
-    replaces its momentum) uses ``worker_momentum``. Every peer is killed on return."""
+    replaces its momentum) uses ``worker_momentum`` and CenteredClip's ``min_alignment`` (None: no alignment
+    screen). Every peer is killed on return."""
     from swarm_harness import Peer
 
     recorder = {"stop_at_epoch": STOP_AT_EPOCH, "max_seconds": 100, "barrier_dir": str(root / "barrier"),
@@ -102,7 +106,7 @@ def run_swarm(root: Path, attack: Optional[str], aggregation: str = "centered_cl
     run_id = f"byz_{attack or 'none'}_{aggregation}_m{worker_momentum * 100:.0f}"  # no '.': hivemind refuses it
     started = []
     try:
-        strategy = swarm_strategy_args(run_id, aggregation, worker_momentum)
+        strategy = swarm_strategy_args(run_id, aggregation, worker_momentum, min_alignment)
         first = Peer(root, "first", strategy, model=SWARM_MODEL, data={"batch_size": 16}, recorder=recorder)
         started.append(first)
         join = first.join_peers()

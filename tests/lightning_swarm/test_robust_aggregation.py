@@ -10,11 +10,8 @@ import pytest
 import torch
 
 from lightning_swarm.aggregation import centered_clip, check_aggregation_options, screen_contributions, weighted_mean
-from lightning_swarm.hivemind_ext.robust_allreduce import (
-    CheckedTensorPartContainer,
-    RobustTensorPartReducer,
-    progress_weight_bounds,
-)
+from lightning_swarm.hivemind_ext.robust_allreduce import CheckedTensorPartContainer, RobustTensorPartReducer
+from lightning_swarm.hivemind_ext.weight_bounds import progress_weight_bounds
 
 
 def honest_parts(num: int, size: int = 1000, seed: int = 0) -> list:

@@ -1,0 +1,143 @@
+"""CenteredClip's alignment screen and the senders' alignment history (lightning_swarm.aggregation), and the reducer
+that applies them (hivemind's asyncio code path, as in test_robust_aggregation.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_swarm.aggregation import (
+    SenderTrust,
+    aligned_centered_clip,
+    centered_clip,
+    check_aggregation_options,
+    weighted_mean,
+)
+from test_robust_aggregation import run_reducer
+
+
+def noisy_gradients(num: int, noise: float, size: int = 2000, seed: int = 0) -> tuple:
+    """``num`` honest gradients: one true gradient plus independent noise of ``noise`` times its norm."""
+    generator = torch.Generator().manual_seed(seed)
+    true = torch.randn(size, generator=generator)
+    return true, [true + noise * true.norm() / size ** 0.5 * torch.randn(size, generator=generator)
+                  for _ in range(num)]
+
+
+def along(result: torch.Tensor, direction: torch.Tensor) -> float:
+    """The fraction of ``direction`` that ``result`` goes along."""
+    return float(result @ direction / (direction @ direction))
+
+
+@pytest.mark.parametrize("weights", [[1.0, 1.0, 1.0], [16.0, 176.0, 192.0], [176.0, 16.0, 192.0]])
+def test_a_negated_sender_loses_its_weight_also_when_an_honest_peer_had_few_samples(weights):
+    # noise as large as the gradient: plain CenteredClip keeps only part of the honest step
+    _, (first, second, third) = noisy_gradients(3, noise=1.0)
+    honest_mean = weighted_mean([first, second], weights[:2])
+    plain = centered_clip([first, second, -third], weights)
+    result, factors, _ = aligned_centered_clip([first, second, -third], weights, min_alignment=0.5)
+    assert factors[2] == 0.0 and factors[:2] == [1.0, 1.0]
+    assert along(plain, honest_mean) < 0.9  # what the screen is for
+    assert abs(along(result, honest_mean) - 1.0) < 0.1
+
+
+def test_honest_senders_keep_their_weights_and_the_result_is_plain_centered_clip():
+    for seed in range(5):
+        _, gradients = noisy_gradients(5, noise=1.0, seed=seed)
+        weights = [float(w) for w in range(10, 15)]
+        result, factors, _ = aligned_centered_clip(gradients, weights, min_alignment=0.5)
+        assert factors == [1.0] * 5
+        assert torch.allclose(result, centered_clip(gradients, weights), atol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [-2.0, -0.5, 0.0, 0.25, 0.5, 0.75])
+def test_a_sender_going_partly_along_lowers_the_step_by_at_most_its_share_times_one_minus_the_screen(scale):
+    # the attacker's best evasion: a part that goes along just enough of the step to keep (some of) its weight
+    true, (first, second) = noisy_gradients(2, noise=0.2)
+    min_alignment = 0.5
+    result, _, _ = aligned_centered_clip([first, second, scale * true], [1.0, 1.0, 1.0],
+                                         min_alignment=min_alignment)
+    honest_mean = (first + second) / 2
+    assert along(result, honest_mean) >= 1.0 - (1.0 / 3.0) * (1.0 - min_alignment) - 0.02
+
+
+def test_with_two_senders_only_the_history_decides():
+    _, (honest, other) = noisy_gradients(2, noise=0.5)
+    result, factors, scales = aligned_centered_clip([honest, -other], [1.0, 1.0], min_alignment=0.5)
+    assert factors == scales == [1.0, 1.0]  # their alignments add up to 2: no screen
+    result, _, _ = aligned_centered_clip([honest, -other], [1.0, 1.0], min_alignment=0.5, prior=[1.0, 0.0])
+    assert torch.allclose(result, honest, atol=1e-5)
+    # a prior that leaves no weight is ignored
+    result, _, _ = aligned_centered_clip([honest, -other], [1.0, 1.0], min_alignment=0.5, prior=[0.0, 0.0])
+    assert torch.allclose(result, (honest - other) / 2, atol=1e-6)
+
+
+def test_sender_trust_remembers_recent_rounds_more():
+    trust = SenderTrust(decay=0.5)
+    assert trust.trust("a") == 1.0  # never judged
+    trust.update({"a": (0.0, 1.0), "b": (1.0, 1.0)})
+    assert trust.trust("a") == 0.0 and trust.trust("b") == 1.0
+    trust.update({"a": (1.0, 1.0)})
+    assert trust.trust("a") == pytest.approx(1.0 / 1.5)  # (0.5 * 0 + 1) / (0.5 + 1)
+    for _ in range(20):
+        trust.update({"a": (1.0, 1.0)})
+    assert trust.trust("a") > 0.99
+    # a round in which a sender had a tenth of the median weight counts a tenth of a round
+    trust.update({"b": (0.0, 0.1)})
+    assert trust.trust("b") == pytest.approx((0.5 * 1.0 + 0.0) / (0.5 * 1.0 + 0.1))
+
+
+def test_min_alignment_option_is_checked():
+    check_aggregation_options("centered_clip", None, 10, 0.5)
+    check_aggregation_options("centered_clip", None, 10, None)
+    for bad in [0.0, 1.5, -0.1, float("nan"), True, "0.5"]:
+        with pytest.raises(ValueError, match="min_alignment"):
+            check_aggregation_options("centered_clip", None, 10, bad)
+
+
+def test_reducer_lowers_a_negated_sender_names_it_and_reports_its_alignment(caplog):
+    # 2 parts; sender 2 sends its gradients negated, with weight 1e9 lowered to its record
+    parts = [noisy_gradients(3, noise=1.0, size=500, seed=s)[1] for s in range(2)]
+    parts_by_sender = [[parts[0][i], parts[1][i]] for i in range(3)]
+    parts_by_sender[2] = [-p for p in parts_by_sender[2]]
+    reported = []
+    results = run_reducer(parts_by_sender, [50.0, 100.0, 1e9], caplog, aggregation="centered_clip",
+                          max_weights=[100.0] * 3, min_alignment=0.5, trust=[1.0, 0.6, 0.4],
+                          on_alignment=reported.append)
+    for part_index in range(2):
+        honest_mean = (parts_by_sender[0][part_index] + parts_by_sender[1][part_index]) / 2
+        assert abs(along(results[0][part_index], honest_mean) - 1.0) < 0.1
+    (record,) = reported  # (alignment factor x clip scale, evidence: weight / median, at most 1) per sender
+    assert record[2] == (0.0, 1.0) and record[0][1] == 0.5 and record[1][1] == 1.0
+    assert min(record[0][0], record[1][0]) > 0.3
+    assert "peer2" in caplog.text and "goes along less than 0.5" in caplog.text and "(2 of 2 parts)" in caplog.text
+    assert "x0.40 from its record in past rounds" in caplog.text
+    assert "peer0" not in caplog.text and "peer1" not in caplog.text
+
+
+def test_lowering_an_honest_sender_does_not_hand_a_far_attacker_the_result():
+    # the honest peer with few samples goes against the step this round and loses its weight; the x1e3 attacker
+    # goes along (it keeps its weight) and now holds half of it: the vote's radius still bounds it
+    true, (first, attacker) = noisy_gradients(2, noise=0.5)
+    generator = torch.Generator().manual_seed(1)
+    misaligned = -0.5 * true + 0.5 * true.norm() / true.numel() ** 0.5 * torch.randn(true.numel(), generator=generator)
+    parts, weights = [first, misaligned, 1e3 * attacker], [176.0, 16.0, 176.0]
+    result, factors, scales = aligned_centered_clip(parts, weights, min_alignment=0.5)
+    assert factors == [1.0, 0.0, 1.0]
+    assert (result - first).norm() <= (first - misaligned).norm()  # the honest spread, not 1e3
+    assert scales[2] < 1e-2 and min(scales[:2]) > 0.3  # the far attacker's record is low even though it goes along
+
+
+def test_a_far_sender_remembered_from_3_sender_rounds_loses_the_2_sender_round():
+    # a round of 3 (x1e3 attacker clipped, recorded), then a round where only it and one honest peer send
+    trust = SenderTrust()
+    _, (first, second, third) = noisy_gradients(3, noise=0.5)
+    _, factors, scales = aligned_centered_clip([first, second, 1e3 * third], [1.0] * 3, min_alignment=0.5)
+    trust.update({sender: (f * c, 1.0) for sender, (f, c) in enumerate(zip(factors, scales))})
+    assert trust.trust(2) < 1e-2 and min(trust.trust(0), trust.trust(1)) > 0.3
+    _, (honest, attacker) = noisy_gradients(2, noise=0.5, seed=1)
+    plain, _, _ = aligned_centered_clip([honest, 1e3 * attacker], [1.0, 1.0], min_alignment=0.5)
+    remembered, _, _ = aligned_centered_clip([honest, 1e3 * attacker], [1.0, 1.0], min_alignment=0.5,
+                                             prior=[trust.trust(0), trust.trust(2)])
+    assert (plain - honest).norm() > 100 * honest.norm()  # 2 senders: the mean
+    assert (remembered - honest).norm() < 0.1 * honest.norm()
