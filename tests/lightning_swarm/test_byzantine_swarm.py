@@ -34,7 +34,8 @@ MAX_LOSS_RATIO = 1.1
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
 @pytest.mark.parametrize("attack,logged", [("scale", []), ("nan", ["NaN or Inf"]),
-                                           ("weight", ["lowered to", "goes along less than"])])
+                                           ("weight", ["lowered to", "goes along less than"])],
+                         ids=["scale", "nan", "weight"])
 def test_honest_peers_withstand_a_byzantine_peer(tmp_path, honest_swarm_loss, attack, logged):
     params, logs = run_swarm(tmp_path, attack, timeout=RUN_TIMEOUT)
     for peer_params in params:
