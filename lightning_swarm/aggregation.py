@@ -347,4 +347,5 @@ def check_aggregation_options(aggregation: str, tau: Optional[float], iters: int
         raise ValueError(f"centered_clip_iters must be an integer >= 1, got {iters!r}")
     if min_alignment is not None and (isinstance(min_alignment, bool) or not isinstance(min_alignment, (int, float))
                                       or not 0 < min_alignment <= 1):
-        raise ValueError(f"centered_clip_min_alignment must be a number in (0, 1] (or None: off), got {min_alignment!r}")
+        raise ValueError(
+            f"centered_clip_min_alignment must be a number in (0, 1] (or None: off), got {min_alignment!r}")

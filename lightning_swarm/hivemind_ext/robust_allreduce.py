@@ -23,6 +23,7 @@ check it; Gorbunov et al.'s BTARD adds verification for that, not done here).
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import os
@@ -234,6 +235,12 @@ def _round_alignment(judged: Sequence[Tuple[float, float]]) -> Tuple[float, floa
     return factor, evidence / len(judged)
 
 
+def _record_alignment(sender_trust: SenderTrust, senders: Sequence[PeerID],
+                      judged: Dict[int, Tuple[float, float]]) -> None:
+    """Add a round's (record, evidence) by sender index to ``sender_trust``, keyed by peer id."""
+    sender_trust.update({senders[i]: record for i, record in judged.items()})
+
+
 class CheckedTensorPartContainer(TensorPartContainer):
     """A TensorPartContainer that refuses non-finite results from reducers: the slice keeps its local value.
 
@@ -301,7 +308,7 @@ class RobustAllReduceRunner(AllReduceRunner):
         if min_alignment is not None and sender_trust is not None:
             senders = list(self.sender_peer_ids)
             trust = [sender_trust.trust(peer) for peer in senders]
-            on_alignment = lambda factors: sender_trust.update({senders[i]: f for i, f in factors.items()})  # noqa: E731
+            on_alignment = functools.partial(_record_alignment, sender_trust, senders)
         self.tensor_part_reducer = RobustTensorPartReducer(
             tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids),
             sender_names=[str(peer) for peer in self.sender_peer_ids], aggregation=aggregation,
@@ -320,8 +327,9 @@ class RobustAveraging:
         max_sender_weight: a fixed bound for every sender's weight (e.g. 1.0 for state averaging, where hivemind
             gives every peer weight 1); None: :meth:`sender_weight_bounds` decides.
         centered_clip_min_alignment: with CenteredClip, the alignment screen and the senders' alignment history
-            (:func:`lightning_swarm.aggregation.aligned_centered_clip`, :class:`~lightning_swarm.aggregation.SenderTrust`,
-            kept in the averager's process for the whole run); None: off. For gradients: parameters and optimizer
+            (:func:`lightning_swarm.aggregation.aligned_centered_clip`,
+            :class:`~lightning_swarm.aggregation.SenderTrust`, kept in the averager's process for the whole run);
+            None: off. For gradients: parameters and optimizer
             state all go along their average.
         *args, **kwargs: as the averager class this is mixed into.
     """
