@@ -104,7 +104,7 @@ def check_versions(installed: Optional[Dict[str, str]] = None) -> List[str]:
             found = (installed or {}).get(package) or version(package)
         except PackageNotFoundError:
             continue
-        if Version(found).release and Version(Version(found).base_version) not in SpecifierSet(supported):
+        if Version(Version(found).base_version) not in SpecifierSet(supported):  # "2.5.1+cpu" is 2.5.1
             outside.append(package)
             warnings.warn(
                 f"lightning_swarm uses private parts of {package} checked for {package}{supported}, but {found} is "

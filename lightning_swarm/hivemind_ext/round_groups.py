@@ -58,7 +58,8 @@ class PatientGroupRegistration:
             self._finished_group_ids().append(group_info.group_id)
 
     def _registration_timeout(self) -> float:
-        # a sender later than this is dropped from the round by its groupmates anyway
+        # a sender later than this is dropped from the round by its groupmates anyway; hivemind sets it to
+        # next_chunk_timeout unless given, and without either there is no sender timeout: wait a matchmaking time
         sender_timeout = self.allreduce_kwargs.get("sender_timeout")
         return sender_timeout if sender_timeout is not None else self.matchmaking_kwargs["min_matchmaking_time"]
 
