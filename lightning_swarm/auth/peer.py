@@ -239,7 +239,8 @@ class SwarmAuth:
             raise AuthError(f"[lightning_swarm] cannot join run {self.run_id!r}: cannot read the access token "
                             f"{self.token_path}: {e}") from None
 
-    def _ask_authority(self) -> AccessToken:
+    def token_request(self) -> dict:
+        """The JSON body this peer sends the authority to ask for a token (signed now)."""
         public_key = public_key_text(self.public_key)
         time = get_dht_time()
         request = dict(run_id=self.run_id, public_key=public_key, time=time)
@@ -249,8 +250,11 @@ class SwarmAuth:
         else:
             request.update(username=self.username, signature=self.user_key.sign(
                 request_bytes(self.run_id, self.username, public_key, time)).decode())
+        return request
+
+    def _ask_authority(self) -> AccessToken:
         http_request = urllib.request.Request(
-            self.server.rstrip("/") + "/token", data=json.dumps(request).encode(),
+            self.server.rstrip("/") + "/token", data=json.dumps(self.token_request()).encode(),
             headers={"Content-Type": "application/json"}, method="POST")
         who = f" for user {self.username!r}" if self.username else ""
         try:

@@ -86,6 +86,10 @@ class Refusal(Exception):
         super().__init__(self.message)
 
 
+# every message an answer of the authority may carry
+FIXED_MESSAGES = frozenset(value[1] for name, value in vars(Refusal).items() if name.isupper())
+
+
 def request_bytes(run_id: str, username: str, public_key: str, time: float) -> bytes:
     """What a peer signs with its user key to ask for a token."""
     return "\n".join(["lightning-swarm-token-request/v1", run_id, username, public_key, repr(float(time))]).encode()
