@@ -57,6 +57,8 @@ Every private name used is listed in :data:`~lightning_swarm.hivemind_ext.privat
 through ``credentials.PeerCredentials``, so this package never imports ``lightning_swarm.auth``, which builds on it)
     - ``DecentralizedAverager._step``: overridden to put this peer's join proof into ``StepControl._data_for_gather``.
     - ``DecentralizedAverager._aggregate_with_group``: overridden to check every group member's proof first.
+    - ``DecentralizedAverager._matchmaking``'s ``Matchmaking.current_followers``: a leader refuses a join request
+      of a user already seated among its followers (one vote per person).
     - (``state_download``'s donor list, ``_donors``, is filtered to plausible donors: our own code, not hivemind's.)
     - ``ProgressTracker._parse_swarm_progress_data`` (as ``tracker``): drops epoch claims no peer confirms.
 ``round_groups`` (a groupmate's part that arrives before its group is registered waits for it)

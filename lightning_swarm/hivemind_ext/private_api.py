@@ -179,6 +179,12 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
         ("DecentralizedAverager._step", "overridden: adds this peer's join proof to the data it sends its group"),
         ("DecentralizedAverager._aggregate_with_group", "overridden: checks every member's proof first"),
     ])
+    + _symbols(_MATCHMAKING, "auth_guards", [
+        ("Matchmaking.current_followers", "a leader's followers: a user already seated there is refused a second seat"),
+    ], instance=True)
+    + _symbols("hivemind.averaging.averager", "auth_guards", [
+        ("DecentralizedAverager._matchmaking", "where a leader's followers are read"),
+    ], instance=True)
     + _symbols("hivemind.averaging.control", "auth_guards", [
         ("StepControl._data_for_gather", "replaced by the same data with this peer's join proof inside"),
     ], instance=True)
