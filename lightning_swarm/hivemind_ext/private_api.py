@@ -194,6 +194,14 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
     + _symbols("hivemind.averaging.averager", "round_groups", [
         ("DecentralizedAverager._running_groups", "a groupmate's part waits until its group is registered here"),
     ], instance=True)
+    + _symbols("hivemind.averaging.averager", "state_serving", [
+        ("DecentralizedAverager.rpc_download_state", "overridden: token holders only, bounded downloads at once"),
+        ("DecentralizedAverager.serializer", "decodes the requester's proof as the averagers' join proofs"),
+    ])
+    + _symbols("hivemind.p2p.servicer", "state_serving", [
+        ("ServicerBase._rpc_handlers", "reset per class: rpc_download_state reads a JoinRequest (the proof inside)"),
+        ("ServicerBase._stub_type", "reset with the handlers it is built from"),
+    ])
     + _symbols("hivemind.utils.crypto", "keys", [
         ("RSAPrivateKey._process_wide_key", "set to the key an offline token was issued for"),
         ("RSAPrivateKey._process_wide_key_lock", "held while setting it"),
