@@ -190,3 +190,62 @@ def test_one_live_key_per_user_a_new_key_supersedes_the_old(keys, server):
         seat_1.token()
     renewed = seat_2.token()
     assert renewed.public_key == new.public_key and bob.check(renewed).ok and bob.check(new).ok
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_one_user_with_two_keys_never_holds_two_seats_in_a_group(keys, tmp_path):
+    """Real peers on 127.0.0.1 and a real authority: bob and carol, and alice twice (two processes, two keys, both
+    tokens from the authority). No group of bob's or carol's ever seats alice twice; her newer key takes part."""
+    from test_auth import _kill, _spawn, _wait_line
+
+    run = "seatrun"
+    server = AuthorityServer(Authority(load_private_key(keys["authority"]), run, str(keys["root"] / "allowlist.txt"),
+                                       token_lifetime=600)).start()
+    carol_key = str(tmp_path / "carol.pem")
+    save_key(generate_key(), carol_key)
+    with open(keys["root"] / "allowlist.txt") as f:
+        allowlist = f.read()
+    (tmp_path / "allowlist.txt").write_text(allowlist + f"carol {Path(carol_key + '.pub').read_text().strip()}\n")
+    server.authority.allowlist_path = str(tmp_path / "allowlist.txt")
+    user_keys = {"bob": keys["bob"], "carol": carol_key, "alice1": keys["alice"], "alice2": keys["alice"]}
+    processes = {}
+    try:
+        common = ["--run", run, "--authority", keys["authority"] + ".pub", "--server", server.url, "--seconds", "200",
+                  "--stop-file", str(tmp_path / "stop")]
+
+        def start(name, *extra):
+            processes[name] = _spawn(["honest", "--name", name, "--username", name.rstrip("12"), "--key",
+                                      user_keys[name], "--out", str(tmp_path / f"{name}.json"), *common, *extra],
+                                     tmp_path / f"{name}.log")
+            return _wait_line(tmp_path / f"{name}.log", "PEER", processes[name], 90).split()
+
+        _, address, _ = start("bob")
+        start("carol", "--initial-peer", address)
+        start("alice1", "--initial-peer", address)
+        start("alice2", "--initial-peer", address)  # her second key: supersedes the first
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:  # until an honest peer averaged with alice's newer seat
+            if any("'alice2'" in line for name in ("bob", "carol") for line in
+                   (tmp_path / f"{name}.log").read_text(errors="replace").splitlines() if line.startswith("GROUP")):
+                break
+            time.sleep(0.5)
+        (tmp_path / "stop").write_text("")
+        for name in ("bob", "carol"):
+            assert processes[name].wait(timeout=90) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+    finally:
+        for process in processes.values():
+            _kill(process)
+        server.stop()
+    groups = [group for name in ("bob", "carol") for group in json.loads((tmp_path / f"{name}.json").read_text())["groups"]]
+    assert groups and not [group for group in groups if "alice1" in group and "alice2" in group], groups
+    assert any("alice2" in group for group in groups), groups
+    logs = (tmp_path / "bob.log").read_text() + (tmp_path / "carol.log").read_text()
+    assert "the token of 'alice' is superseded" in logs  # her first key, refused once her newer one was seen
+
+
+def test_double_seats_names_users_seated_twice():
+    from lightning_swarm.hivemind_ext.auth_guards import double_seats
+
+    assert double_seats(["alice", "bob", "alice"]) == ["alice"]
+    assert double_seats(["alice", "bob", "carol"]) == []
