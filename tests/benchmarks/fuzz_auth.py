@@ -1,5 +1,5 @@
-"""Fuzz the parsers of the authority's bytes: token requests (the authority's side), the authority's answers and
-join proofs (a peer's side). Mutated inputs (truncated, extended, bytes flipped, fields set to 0, -1, huge, of
+"""Fuzz the parsers of the authority's bytes: token requests (the authority's side), the authority's answers,
+join proofs and the proofs in state-download requests (a peer's side). Mutated inputs (truncated, extended, bytes flipped, fields set to 0, -1, huge, of
 another type, nested, removed) go through the real parsers; any exception other than the documented refusal, any
 answer that is not one of the fixed messages, or a case slower than ``--max-case-seconds`` fails the run.
 
@@ -146,8 +146,31 @@ def main() -> int:
             token_from_json(candidate.get("token") if isinstance(candidate, dict) else candidate)
         except ValueError:
             pass
-    print(f"FUZZ OK requests={args.cases} answers={args.cases} proofs={args.cases} slowest={slowest:.3f}s",
-          flush=True)
+    # the bytes of a state-download request's proof, as a donor decodes them (state_serving._state_requester)
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    from lightning_swarm.hivemind_ext.state_serving import MAX_PROOF_BYTES
+
+    alice._token = issue_token(authority.authority_key, "run", "alice", alice.public_key, 600)
+    alice._issued_at = time.time()  # a fresh token: no renewal from the (absent) authority service
+    packed = MSGPackSerializer.dumps(alice.join_proof("run_state_averager.state_download", b"peer"))
+
+    def decode_and_check(data: bytes):
+        proof = None
+        if 0 < len(data) <= MAX_PROOF_BYTES:
+            try:
+                proof = MSGPackSerializer.loads(data)
+            except Exception:  # as the donor does: undecodable bytes are no proof
+                proof = None
+        return alice.check_join_proof(proof, "run_state_averager.state_download", b"peer")
+
+    assert decode_and_check(packed).ok  # the unmutated request is admitted: the mutations below are what is refused
+    for case in range(args.cases):
+        data = mutate_bytes(packed, rng)
+        verdict = timed(f"download request {case}", decode_and_check, data)
+        assert isinstance(verdict.ok, bool) and (verdict.ok or verdict.reason), (case, data[:300])
+    print(f"FUZZ OK requests={args.cases} answers={args.cases} proofs={args.cases} downloads={args.cases} "
+          f"slowest={slowest:.3f}s", flush=True)
     return 0
 
 
