@@ -24,11 +24,11 @@ import ipaddress
 import json
 import logging
 import os
-import urllib.parse
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
-from typing import Dict, Optional
+from typing import Dict, Optional, Union
 
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
@@ -114,7 +114,7 @@ def parse_authority_answer(status: int, body: bytes) -> AccessToken:
             reason = "".join(c if c.isprintable() else " " for c in answer["error"][:200])
     except (ValueError, RecursionError):
         pass
-    raise AuthError(reason or f"HTTP {status}" if isinstance(status, int) else "no HTTP status")
+    raise AuthError(reason or f"HTTP {status}")
 
 
 def resolve_auth_settings(auth: Optional[Dict[str, str]]) -> Dict[str, str]:
@@ -152,7 +152,7 @@ class SwarmAuth:
 
     def __init__(self, run_id: str, authority_key: str, token: Optional[str] = None, key: Optional[str] = None,
                  server: Optional[str] = None, username: Optional[str] = None, hf_token: Optional[str] = None,
-                 allow_http=False, refresh_margin: float = 0.5, timeout: float = 30.0):
+                 allow_http: Union[bool, str] = False, refresh_margin: float = 0.5, timeout: float = 30.0):
         self.run_id = run_id
         self.authority_public_key: RSAPublicKey = read_public_key(authority_key)
         self.token_path, self.server, self.username, self.hf_token = token, server, username, hf_token
