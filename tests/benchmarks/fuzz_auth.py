@@ -1,11 +1,13 @@
 """Fuzz the parsers of the authority's bytes: token requests (the authority's side), the authority's answers,
-join proofs and the proofs in state-download requests (a peer's side). Mutated inputs (truncated, extended, bytes flipped, fields set to 0, -1, huge, of
-another type, nested, removed) go through the real parsers; any exception other than the documented refusal, any
-answer that is not one of the fixed messages, or a case slower than ``--max-case-seconds`` fails the run.
+join proofs and the proofs in state-download requests (a peer's side). Mutated inputs (truncated, extended, bytes
+flipped, fields set to 0, -1, huge, of another type, nested, removed) go through the real parsers; any exception
+other than the documented refusal, any answer that is not one of the fixed messages, or a case taking more than
+``--max-case-seconds`` of CPU fails the run.
 
     python tests/benchmarks/fuzz_auth.py --cases 20000 --seed 1   # a longer run than the suite's
 
-Prints ``FUZZ OK requests=N answers=N proofs=N slowest=S`` on success (exit 0), the failing case otherwise (exit 1).
+Prints ``FUZZ OK requests=N answers=N proofs=N downloads=N slowest=S`` (S: CPU seconds of the slowest input) on
+success (exit 0), the failing case otherwise (exit 1).
 tests/lightning_swarm/test_auth_fuzz.py runs it in a child process, fixed seed, bounded.
 """
 
@@ -69,7 +71,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", type=int, default=2000, help="mutated inputs per parser")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-case-seconds", type=float, default=2.0)
+    parser.add_argument("--max-case-seconds", type=float, default=1.0, help="CPU seconds one input may take")
     args = parser.parse_args()
     logging.disable(logging.WARNING)  # every refusal is logged once: thousands of lines here
 
@@ -98,9 +100,9 @@ def main() -> int:
 
     def timed(case, function, *inputs):
         nonlocal slowest
-        start = time.perf_counter()
+        start = time.process_time()  # CPU time: a loaded machine's pauses are not the parser's
         result = function(*inputs)
-        elapsed = time.perf_counter() - start
+        elapsed = time.process_time() - start
         slowest = max(slowest, elapsed)
         if elapsed > args.max_case_seconds:
             raise AssertionError(f"{case}: {elapsed:.2f} s for input {inputs!r:.300}")
@@ -170,7 +172,7 @@ def main() -> int:
         verdict = timed(f"download request {case}", decode_and_check, data)
         assert isinstance(verdict.ok, bool) and (verdict.ok or verdict.reason), (case, data[:300])
     print(f"FUZZ OK requests={args.cases} answers={args.cases} proofs={args.cases} downloads={args.cases} "
-          f"slowest={slowest:.3f}s", flush=True)
+          f"slowest={slowest:.3f}s CPU", flush=True)
     return 0
 
 
