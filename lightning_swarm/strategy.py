@@ -113,7 +113,9 @@ class HivemindStrategy(SingleDeviceStrategy):
             CenteredClip it shrinks what a Byzantine peer can move (docs/security.md, module worker_momentum).
         averager_opts: extra keyword arguments for hivemind's averagers (e.g. ``{"request_timeout": 1.0}``), plus
             ``leader_poll_interval``: minimum seconds between two DHT reads of the averagers looking for a group
-            (default: a tenth of matchmaking_time, at most 0.5 s; hivemind itself polls without pause).
+            (default: a tenth of matchmaking_time, at most 0.5 s; hivemind itself polls without pause), and
+            ``max_state_downloads``: downloads of this peer's state served at once (default 2; one per requester,
+            see :mod:`lightning_swarm.hivemind_ext.state_serving`).
         tracker_opts: extra keyword arguments for hivemind's ProgressTracker (e.g. ``{"max_refresh_period": 2}``),
             plus ``min_report_interval`` (default: ``min_refresh_period``, 0.5 s): this peer publishes its
             progress to the DHT at most that often (and every half fetch interval, which is longer early in an
@@ -128,7 +130,8 @@ class HivemindStrategy(SingleDeviceStrategy):
         auth: credentials for a run with an authority (allowlist authentication), e.g.
             ``{"authority_key": "authority.pub", "token": "alice.token", "key": "alice.pem"}`` or
             ``{"authority_key": ..., "server": "https://auth.example.org", "username": "alice", "key": "alice.pem"}``;
-            each field falls back to ``$LIGHTNING_SWARM_AUTH_<FIELD>``. Default: none, an open run (see
+            each field falls back to ``$LIGHTNING_SWARM_AUTH_<FIELD>``; ``allow_http: true`` accepts an ``http://``
+            authority off this machine (refused otherwise). Default: none, an open run (see
             :mod:`lightning_swarm.auth.peer` and docs/security.md).
 
     The batch size of every local step is taken from the batch (first dimension, Lightning's
@@ -177,7 +180,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         log_progress: bool = True,
         device: Optional[str] = None,
         verbose: bool = False,
-        auth: Optional[Dict[str, str]] = None,
+        auth: Optional[Dict[str, Union[str, bool]]] = None,
     ):
         super().__init__(device=device or "cpu")
         self._device_given = device is not None

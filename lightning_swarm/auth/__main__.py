@@ -55,6 +55,8 @@ def make_parser() -> argparse.ArgumentParser:
     serve.add_argument("--run-id", required=True)
     serve.add_argument("--allowlist", default=None, help="file of 'username ssh-rsa AAAA...' lines")
     serve.add_argument("--hf-organization", default=None, help="also admit members of this Hugging Face organisation")
+    serve.add_argument("--hf-endpoint", default=None,
+                       help="the Hugging Face Hub that checks members' tokens (default: huggingface.co or $HF_ENDPOINT)")
     serve.add_argument("--token-lifetime", type=parse_duration, default=parse_duration("1h"),
                        help="token lifetime: the longest a ban takes to reach every peer")
     serve.add_argument("--host", default="127.0.0.1")
@@ -71,7 +73,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(f"wrote {args.path} (private, keep it secret) and {public_path} (public)")
     elif args.command == "issue":
         token = tokens.issue_token(tokens.load_private_key(args.authority_key), args.run_id, args.username,
-                                   tokens.parse_public_key(args.public_key), args.lifetime)
+                                   tokens.read_public_key(args.public_key), args.lifetime)
         with open(args.out, "w") as f:
             f.write(tokens.token_to_json(token) + "\n")
         print(f"wrote {args.out}: {args.username!r} may join run {args.run_id!r} until {token.expiration_time}")
@@ -80,7 +82,7 @@ def main(argv: Optional[List[str]] = None) -> None:
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         authority = Authority(tokens.load_private_key(args.authority_key), args.run_id, args.allowlist,
-                              args.token_lifetime, args.hf_organization)
+                              args.token_lifetime, args.hf_organization, args.hf_endpoint)
         print(f"[lightning_swarm.auth] authority of run {args.run_id!r} at http://{args.host}:{args.port}", flush=True)
         AuthorityServer(authority, args.host, args.port).serve_forever()
 

@@ -40,17 +40,22 @@ def read_allowlist(path: str) -> Dict[str, List[RSAPublicKey]]:
     return users
 
 
-def hugging_face_member(hf_token: str, organization: str) -> Optional[str]:
+def hugging_face_member(hf_token: str, organization: str, endpoint: Optional[str] = None) -> Optional[str]:
     """The Hugging Face user name behind ``hf_token`` if that user belongs to ``organization``, else None.
 
-    Needs the Hugging Face Hub (not reachable offline); the seed run admitted its volunteers this way.
+    Needs the Hugging Face Hub (``endpoint``, default huggingface.co or ``$HF_ENDPOINT``); the seed run admitted
+    its volunteers this way. The Hub's answer is checked for types before use.
     """
-    from huggingface_hub import whoami
+    from huggingface_hub import HfApi
 
-    try:
-        info = whoami(token=hf_token)
-    except Exception as e:
-        logger.info(f"Hugging Face refused a token: {e!r}")
+    if not isinstance(hf_token, str) or not hf_token:  # whoami(None) would use this machine's own Hub login
         return None
-    organizations = {org.get("name") for org in info.get("orgs", []) if isinstance(org, dict)}
-    return info.get("name") if organization in organizations else None
+    try:
+        info = HfApi(endpoint=endpoint).whoami(token=hf_token)
+    except Exception as e:
+        logger.info(f"Hugging Face refused a token: {type(e).__name__}")
+        return None
+    if not isinstance(info, dict) or not isinstance(info.get("name"), str) or not isinstance(info.get("orgs"), list):
+        return None
+    organizations = {org.get("name") for org in info["orgs"] if isinstance(org, dict)}
+    return info["name"] if organization in organizations else None

@@ -12,8 +12,9 @@ import datetime
 import json
 import os
 import re
+import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
@@ -56,16 +57,44 @@ def load_private_key(path: str) -> RSAPrivateKey:
         raise ValueError(f"{path}: not an unencrypted RSA private key in PEM format ({e})") from None
 
 
+# an OpenSSH RSA public key of up to 8192 bits is about 1.4 kB; anything longer is not one
+MAX_PUBLIC_KEY_CHARS = 2048
+PUBLIC_KEY_ERROR = "not an OpenSSH RSA public key ('ssh-rsa AAAA...')"
+
+
 def parse_public_key(text: str) -> RSAPublicKey:
-    """An OpenSSH ``ssh-rsa AAAA...`` public key given inline or as the path of a file that holds one."""
-    text = text.strip()
-    if not text.startswith("ssh-rsa ") and os.path.isfile(text):
-        with open(text) as f:
-            text = f.read().strip()
+    """An OpenSSH ``ssh-rsa AAAA...`` public key given inline (a comment after it is ignored).
+
+    Never opens a file: this parses what strangers send (token requests, allowlist lines). The error says what was
+    expected, never what was given. Local configuration that may name a file goes through :func:`read_public_key`.
+    """
+    if not isinstance(text, str) or len(text) > MAX_PUBLIC_KEY_CHARS:
+        raise ValueError(PUBLIC_KEY_ERROR)
+    fields = text.split()
+    if len(fields) < 2 or fields[0] != "ssh-rsa":
+        raise ValueError(PUBLIC_KEY_ERROR)
     try:
-        return RSAPublicKey.from_bytes(" ".join(text.split()[:2]).encode())
-    except Exception as e:
-        raise ValueError(f"not an OpenSSH RSA public key ('ssh-rsa AAAA...') or a file holding one: {text[:40]!r} ({e})")
+        return RSAPublicKey.from_bytes(" ".join(fields[:2]).encode())
+    except Exception:
+        raise ValueError(PUBLIC_KEY_ERROR) from None
+
+
+def read_public_key(text_or_path: str) -> RSAPublicKey:
+    """A public key from this machine's own configuration: ``ssh-rsa AAAA...`` inline, or the path of a file that
+    holds one (e.g. ``authority.pem.pub``). Only for options and command lines the user wrote, never for received
+    data (:func:`parse_public_key`)."""
+    text = text_or_path.strip()
+    if text.startswith("ssh-rsa "):
+        return parse_public_key(text)
+    try:
+        with open(text) as f:
+            content = f.read(MAX_PUBLIC_KEY_CHARS + 1)
+    except OSError as e:
+        raise ValueError(f"{text}: cannot read this public key file ({e.strerror})") from None
+    try:
+        return parse_public_key(content)
+    except ValueError:
+        raise ValueError(f"{text}: {PUBLIC_KEY_ERROR}") from None
 
 
 def public_key_text(key: RSAPublicKey) -> str:
@@ -92,7 +121,10 @@ def expiration_timestamp(token: AccessToken) -> float:
         return -float("inf")
     if parsed.tzinfo is None:
         return -float("inf")  # we only write UTC times with an offset: anything else is not ours
-    return parsed.timestamp()
+    try:
+        return parsed.timestamp()
+    except (OverflowError, ValueError):
+        return -float("inf")
 
 
 def issue_token(authority_key: RSAPrivateKey, run_id: str, username: str, public_key: RSAPublicKey,
@@ -110,10 +142,12 @@ def issue_token(authority_key: RSAPrivateKey, run_id: str, username: str, public
 
 @dataclass(frozen=True)
 class TokenCheck:
-    """Why a token is or is not good: ``ok`` and, if not, a ``reason`` a person can act on."""
+    """Why a token is or is not good: ``ok`` and, if not, a ``reason`` a person can act on; ``user``: whose token
+    it is (set when ``ok``)."""
 
     ok: bool
     reason: str = ""
+    user: str = ""
 
 
 def check_token(token: Optional[AccessToken], authority_public_key: RSAPublicKey, run_id: str,
@@ -127,7 +161,33 @@ def check_token(token: Optional[AccessToken], authority_public_key: RSAPublicKey
     now = get_dht_time() if now is None else now
     if expiration_timestamp(token) <= now:
         return TokenCheck(False, f"the token of {token.username!r} expired at {token.expiration_time}")
-    return TokenCheck(True)
+    return TokenCheck(True, user=token.username)
+
+
+class NewestTokens:
+    """One live key per user, as peers see it: the newest token seen of each user (its expiration, then its key, as
+    the tiebreak), and whether a token was superseded by a newer one of the same user *for another key*.
+
+    The authority issues a user's token for a new key only after that user's previous tokens (it expires later than
+    all of them), and no more tokens for the replaced key; so once a peer has seen the newer token, the older key
+    is refused. Renewals for the same key supersede nothing. Thread-safe; memory: one entry per user seen.
+    """
+
+    def __init__(self):
+        self._newest: Dict[str, Tuple[float, bytes]] = {}
+        self._lock = threading.Lock()
+
+    def admit(self, token: AccessToken) -> bool:
+        """Record ``token`` (already checked valid) and say whether it is its user's newest key: False if a token of
+        the same user for another key and expiring later was seen."""
+        mine = (expiration_timestamp(token), bytes(token.public_key))
+        with self._lock:
+            newest = self._newest.get(token.username)
+            if newest is not None and newest[1] != mine[1] and newest > mine:
+                return False
+            if newest is None or mine > newest:
+                self._newest[token.username] = mine
+            return True
 
 
 def token_to_json(token: AccessToken) -> str:
@@ -135,10 +195,29 @@ def token_to_json(token: AccessToken) -> str:
                            expiration_time=token.expiration_time, signature=token.signature.decode()))
 
 
+# a token is ~1.2 kB of JSON (an RSA-2048 public key and signature): 16 kB is far beyond any token
+MAX_TOKEN_JSON_CHARS = 16 * 1024
+_TOKEN_FIELDS = dict(username=64, public_key=MAX_PUBLIC_KEY_CHARS, expiration_time=64, signature=2048)
+
+
 def token_from_json(text: str) -> AccessToken:
+    """The token in ``text`` (JSON with the four string fields of :func:`token_to_json`); ValueError otherwise.
+
+    ``text`` may come from a stranger (a join proof, an authority's answer): sizes and types are checked before use,
+    and the error never quotes the input."""
+    if not isinstance(text, str) or len(text) > MAX_TOKEN_JSON_CHARS:
+        raise ValueError("not an access token: not a string of at most 16 kB")
     try:
         data = json.loads(text)
-        return AccessToken(username=str(data["username"]), public_key=str(data["public_key"]).encode(),
-                           expiration_time=str(data["expiration_time"]), signature=str(data["signature"]).encode())
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"not an access token (JSON with username, public_key, expiration_time, signature): {e}")
+    except (ValueError, RecursionError):
+        raise ValueError("not an access token: not JSON") from None
+    if not isinstance(data, dict):
+        raise ValueError("not an access token: not a JSON object")
+    fields = {}
+    for name, longest in _TOKEN_FIELDS.items():
+        value = data.get(name)
+        if not isinstance(value, str) or len(value) > longest:
+            raise ValueError(f"not an access token: {name} missing, not a string or longer than {longest}")
+        fields[name] = value
+    return AccessToken(username=fields["username"], public_key=fields["public_key"].encode(),
+                       expiration_time=fields["expiration_time"], signature=fields["signature"].encode())

@@ -57,8 +57,16 @@ Every private name used is listed in :data:`~lightning_swarm.hivemind_ext.privat
 through ``credentials.PeerCredentials``, so this package never imports ``lightning_swarm.auth``, which builds on it)
     - ``DecentralizedAverager._step``: overridden to put this peer's join proof into ``StepControl._data_for_gather``.
     - ``DecentralizedAverager._aggregate_with_group``: overridden to check every group member's proof first.
+    - ``DecentralizedAverager._matchmaking``'s ``Matchmaking.current_followers``: a leader refuses a join request
+      of a user already seated among its followers (one vote per person).
     - (``state_download``'s donor list, ``_donors``, is filtered to plausible donors: our own code, not hivemind's.)
     - ``ProgressTracker._parse_swarm_progress_data`` (as ``tracker``): drops epoch claims no peer confirms.
+``state_serving`` (who may download this peer's state, how many at once)
+    - ``DecentralizedAverager.rpc_download_state``: overridden: with an authority, token holders only (the proof is
+      read from the request as a ``JoinRequest``, decoded with ``DecentralizedAverager.serializer``); at most
+      ``max_state_downloads`` at once, one per requester.
+    - ``ServicerBase._rpc_handlers`` and ``ServicerBase._stub_type``: reset for each class with the mixin, so that
+      hivemind collects its handlers with our request type rather than inheriting a base class's.
 ``round_groups`` (a groupmate's part that arrives before its group is registered waits for it)
     - ``DecentralizedAverager._running_groups``: where the part's group gets registered (hivemind refuses the part
       at once if another round of the averager has set ``_pending_groups_registered``).

@@ -8,7 +8,10 @@ with an authority (a :class:`~lightning_swarm.hivemind_ext.credentials.PeerCrede
 - :class:`AuthenticatedAveraging` (mixin for hivemind averagers) adds a *join proof* to the data every group
   member sends (with SwarmAuth: the token, and a signature by the token's key over the averager prefix and the
   member's libp2p id, which libp2p authenticates). A leader refuses join requests without a valid proof, and
-  every member checks all proofs of the assembled group before sending a byte of its tensors.
+  every member checks all proofs of the assembled group before sending a byte of its tensors. One vote per
+  person: a leader refuses a join request of a user who already holds a seat in its group (``DUPLICATE_PEER_ID``),
+  and every member leaves a group where one user holds two seats (:func:`double_seats`); a superseded key of a
+  user (an older token for another key) is refused like an invalid token.
 - the same mixin downloads state only from plausible peers (:func:`plausible_sources`), or from the peer a
   moderator's revert order names (it orders the donors of
   :class:`~lightning_swarm.hivemind_ext.state_download.VerifiedStateDownload`, which must follow it in the bases).
@@ -21,9 +24,10 @@ Private names used here are listed in :data:`lightning_swarm.hivemind_ext.privat
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import random
-from typing import AsyncIterator, Dict, Hashable, List, Optional, Tuple
+from typing import AsyncIterator, Dict, Hashable, List, Optional, Sequence, Tuple
 
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
@@ -61,6 +65,12 @@ def credible_newest_epoch(epochs: Dict[Hashable, int]) -> Optional[int]:
     return max(confirmed) if confirmed else min(epochs.values())
 
 
+def double_seats(users: Sequence[str]) -> List[str]:
+    """The users who hold more than one seat among ``users`` (the users of a group's members, in any order): one
+    person with two seats of three outvotes CenteredClip and the alignment screen, which assume a minority."""
+    return sorted(user for user, seats in collections.Counter(users).items() if seats > 1)
+
+
 def plausible_sources(priorities: Dict[Hashable, float]) -> Dict[Hashable, float]:
     """The state sources worth downloading from: a priority (the peer's epoch) must be confirmed by another peer
     within one epoch, unless there is only one source."""
@@ -85,6 +95,8 @@ class AuthenticatedAveraging:
     def __init__(self, *args, swarm_auth: Optional[PeerCredentials] = None, **kwargs):
         self.swarm_auth = swarm_auth
         self._auth_log = RateLimitedLog(logger)
+        self._own_seat_user: Optional[str] = None  # the user of this peer's own token (set at each step)
+        self._seat_users: Dict[PeerID, str] = {}  # a leader's followers -> their users
         super().__init__(*args, **kwargs)
 
     # -- what this peer sends: its join proof inside the gathered data
@@ -96,6 +108,9 @@ class AuthenticatedAveraging:
             except CredentialsError as e:
                 self._auth_log(logging.ERROR, f"{e}; averaging without a token (peers will refuse this peer)")
                 proof = None
+            if proof is not None:
+                self._own_seat_user = self.swarm_auth.check_join_proof(
+                    proof, self.prefix, self.peer_id.to_bytes()).user or None
             bandwidth, mode, user_bytes = self.serializer.loads(step.data_for_gather)
             wrapped = self.serializer.dumps({PROOF_FIELD: proof, "gather": user_bytes})
             step._data_for_gather = self.serializer.dumps([bandwidth, mode, wrapped])
@@ -123,13 +138,23 @@ class AuthenticatedAveraging:
                                                 f"group: {verdict.reason}")
                 yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
                 return
+            followers = self._matchmaking.current_followers
+            self._seat_users = {peer: user for peer, user in self._seat_users.items()
+                                if peer in followers and peer != context.remote_id}
+            if verdict.user in {self._own_seat_user, *self._seat_users.values()}:
+                self._auth_log(logging.WARNING, f"[lightning_swarm] refused peer {context.remote_id} in an averaging "
+                                                f"group: user {verdict.user!r} already holds a seat in it (one vote "
+                                                f"per person)")
+                yield averaging_pb2.MessageFromLeader(code=averaging_pb2.DUPLICATE_PEER_ID)
+                return
+            self._seat_users[context.remote_id] = verdict.user
         async for message in super().rpc_join_group(request, context):
             yield message
 
     # -- every member: check the whole group before averaging with it
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
         if self.swarm_auth is not None:
-            unwrapped = []
+            unwrapped, users = [], []
             for peer_id, gathered in zip(group_info.peer_ids, group_info.gathered):
                 verdict, inner = self._check_member(gathered, peer_id)
                 if not verdict.ok:
@@ -137,6 +162,12 @@ class AuthenticatedAveraging:
                                                     f"{verdict.reason}")
                     raise MatchmakingException(f"group member {peer_id} is not authenticated: {verdict.reason}")
                 unwrapped.append(inner)
+                users.append(verdict.user)
+            doubles = double_seats(users)
+            if doubles:
+                self._auth_log(logging.WARNING, f"[lightning_swarm] left an averaging group where user(s) {doubles} "
+                                                f"hold more than one seat (one vote per person)")
+                raise MatchmakingException(f"user(s) {doubles} hold more than one seat in the group")
             group_info = GroupInfo(group_info.group_id, group_info.peer_ids, tuple(unwrapped))
         return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
 

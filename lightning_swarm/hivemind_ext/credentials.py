@@ -17,10 +17,12 @@ class CredentialsError(PermissionError):
 
 
 class Verdict(Protocol):
-    """Whether another peer's credentials are good, and if not a reason a person can act on."""
+    """Whether another peer's credentials are good, and if not a reason a person can act on; if they are, the
+    ``user`` they name (one vote per person: a group seats each user once)."""
 
     ok: bool
     reason: str
+    user: str
 
 
 class RevertOrder(Protocol):
@@ -39,7 +41,8 @@ class PeerCredentials(Protocol):
         raises :class:`CredentialsError` if this peer has no valid token."""
 
     def check_join_proof(self, proof: Any, prefix: str, peer_id: bytes) -> Verdict:
-        """Whether ``proof`` (None or anything a peer sent) admits peer ``peer_id`` to a group of ``prefix``."""
+        """Whether ``proof`` (None or anything a peer sent) admits peer ``peer_id`` to a group of ``prefix``: a valid
+        token, signed over ``prefix`` and ``peer_id``, and not superseded by a newer key of the same user."""
 
     def revert_order(self, dht: Any) -> Optional[RevertOrder]:
         """The newest valid revert order of the run in ``dht`` (a hivemind.DHT), or None."""

@@ -35,6 +35,7 @@ from lightning_swarm.hivemind_ext.finite_state import FiniteStateDownload
 from lightning_swarm.hivemind_ext.grad_averager import SampleWeightedGradientAverager
 from lightning_swarm.hivemind_ext.matchmaking import ThrottledLeaderSearch
 from lightning_swarm.hivemind_ext.state_download import NoStateDownload, VerifiedStateDownload
+from lightning_swarm.hivemind_ext.state_serving import GuardedStateServing
 from lightning_swarm.hivemind_ext.robust_allreduce import RobustAveraging
 from lightning_swarm.hivemind_ext.round_groups import PatientGroupRegistration
 from lightning_swarm.hivemind_ext.weight_bounds import ProgressBoundedWeights
@@ -68,24 +69,29 @@ class HivemindRpcNames:
         return hivemind_class._get_handle_name(namespace, method_name)
 
 
-class SwarmGradientAverager(HivemindRpcNames, AuthenticatedAveraging, PatientGroupRegistration, ThrottledLeaderSearch,
-                            ProgressBoundedWeights, SampleWeightedGradientAverager, NoStateDownload):
+class SwarmGradientAverager(HivemindRpcNames, AuthenticatedAveraging, GuardedStateServing, PatientGroupRegistration,
+                            ThrottledLeaderSearch, ProgressBoundedWeights, SampleWeightedGradientAverager,
+                            NoStateDownload):
     """Gradient averager of a SwarmOptimizer: mean over samples, throttled leader search (``leader_poll_interval``),
     groupmates' parts wait for their group to be registered (:mod:`~lightning_swarm.hivemind_ext.round_groups`),
     screened all-reduce (``aggregation``, ``centered_clip_tau``, ``centered_clip_iters``,
     ``centered_clip_min_alignment``; each sender's weight at most the samples in its progress record, read from
     ``progress_key``), no non-finite gradient sent, and a newcomer does not download the donor's gradient buffers
-    (they are reset right after); in a run with an authority only authenticated peers share a group
-    (``swarm_auth``)."""
+    (they are reset right after), its own are served to at most ``max_state_downloads`` requesters at once, one
+    download each (:mod:`~lightning_swarm.hivemind_ext.state_serving`); in a run with an authority only authenticated
+    peers share a group and download state (``swarm_auth``)."""
 
 
-class SwarmStateAverager(HivemindRpcNames, AuthenticatedAveraging, PatientGroupRegistration, ThrottledLeaderSearch,
-                         RobustAveraging, TrainingStateAverager, FiniteStateDownload, VerifiedStateDownload):
+class SwarmStateAverager(HivemindRpcNames, AuthenticatedAveraging, GuardedStateServing, PatientGroupRegistration,
+                         ThrottledLeaderSearch, RobustAveraging, TrainingStateAverager, FiniteStateDownload,
+                         VerifiedStateDownload):
     """State averager of a SwarmOptimizer: hivemind's TrainingStateAverager with a throttled leader search,
     groupmates' parts that wait for their group to be registered (:mod:`~lightning_swarm.hivemind_ext.round_groups`),
     a screened all-reduce (every peer has weight 1 in state averaging: ``max_sender_weight=1``), a verified, retried
-    state download (``state_download_attempts``) and no non-finite downloaded state; in a run with an authority,
-    groups of authenticated peers only, and state from plausible donors (or the one a moderator's revert names)."""
+    state download (``state_download_attempts``) and no non-finite downloaded state, its own state served to at most
+    ``max_state_downloads`` requesters at once, one download each; in a run with an authority, groups of
+    authenticated peers only, state from plausible donors (or the one a moderator's revert names) and to token
+    holders only."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("max_sender_weight", 1.0)

@@ -179,6 +179,12 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
         ("DecentralizedAverager._step", "overridden: adds this peer's join proof to the data it sends its group"),
         ("DecentralizedAverager._aggregate_with_group", "overridden: checks every member's proof first"),
     ])
+    + _symbols(_MATCHMAKING, "auth_guards", [
+        ("Matchmaking.current_followers", "a leader's followers: a user already seated there is refused a second seat"),
+    ], instance=True)
+    + _symbols("hivemind.averaging.averager", "auth_guards", [
+        ("DecentralizedAverager._matchmaking", "where a leader's followers are read"),
+    ], instance=True)
     + _symbols("hivemind.averaging.control", "auth_guards", [
         ("StepControl._data_for_gather", "replaced by the same data with this peer's join proof inside"),
     ], instance=True)
@@ -188,6 +194,14 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
     + _symbols("hivemind.averaging.averager", "round_groups", [
         ("DecentralizedAverager._running_groups", "a groupmate's part waits until its group is registered here"),
     ], instance=True)
+    + _symbols("hivemind.averaging.averager", "state_serving", [
+        ("DecentralizedAverager.rpc_download_state", "overridden: token holders only, bounded downloads at once"),
+        ("DecentralizedAverager.serializer", "decodes the requester's proof as the averagers' join proofs"),
+    ])
+    + _symbols("hivemind.p2p.servicer", "state_serving", [
+        ("ServicerBase._rpc_handlers", "reset per class: rpc_download_state reads a JoinRequest (the proof inside)"),
+        ("ServicerBase._stub_type", "reset with the handlers it is built from"),
+    ])
     + _symbols("hivemind.utils.crypto", "keys", [
         ("RSAPrivateKey._process_wide_key", "set to the key an offline token was issued for"),
         ("RSAPrivateKey._process_wide_key_lock", "held while setting it"),

@@ -137,12 +137,16 @@ class VerifiedStateDownload(DecentralizedAverager):
         ranked = {peer: (priority, random.random()) for peer, priority in self._donor_priorities().items()}
         return [peer for peer in sorted(ranked, key=ranked.get, reverse=True) if peer != self.peer_id]
 
+    async def _state_download_request(self):
+        """What the request for a donor's state carries (state_serving.GuardedStateServing adds this peer's proof)."""
+        return averaging_pb2.DownloadRequest()
+
     async def _download_from(self, peer: PeerID, chunk_timeout: float) -> Tuple[Any, List[torch.Tensor]]:
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
         assembler = _TensorAssembler(self._expected_state_shapes())
         metadata = None
         start = last_log = time.monotonic()
-        stream = await asyncio.wait_for(stub.rpc_download_state(averaging_pb2.DownloadRequest()), chunk_timeout)
+        stream = await asyncio.wait_for(stub.rpc_download_state(await self._state_download_request()), chunk_timeout)
         iterator = stream.__aiter__()
         while True:
             try:

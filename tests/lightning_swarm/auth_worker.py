@@ -2,6 +2,7 @@
 
     python auth_worker.py honest --name a --run R --authority authority.pem.pub --token a.token --key a.pem \
         --out a.json [--initial-peer ADDR] --seconds 30
+    python auth_worker.py honest ... --server URL --username alice --key alice.pem   (a token from the authority)
     python auth_worker.py outsider --mode none|expired|revoked --run R --authority ... --initial-peer ADDR \
         --leader PEER_ID --out x.json [--token t --key k | --server URL --username carol --key k]
 
@@ -88,7 +89,10 @@ def honest(args) -> None:
     from lightning_swarm.auth.authorizer import OwnerIsRequesterValidator, SwarmAuthorizer
     from lightning_swarm.auth.peer import SwarmAuth
 
-    auth = SwarmAuth(args.run, args.authority, token=args.token, key=args.key)
+    if args.server:  # a token from the authority service, for this process's own key
+        auth = SwarmAuth(args.run, args.authority, server=args.server, username=args.username, key=args.key)
+    else:
+        auth = SwarmAuth(args.run, args.authority, token=args.token, key=args.key)
     auth.token()
     auth.install()
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],

@@ -19,7 +19,7 @@ from lightning_swarm.auth.tokens import (
     check_token,
     generate_key,
     issue_token,
-    parse_public_key,
+    read_public_key,
     save_key,
     token_to_json,
 )
@@ -46,19 +46,19 @@ def _issue(authority, user, run_id="run", lifetime=3600.0, path=None):
     from lightning_swarm.auth.tokens import load_private_key
 
     token = issue_token(load_private_key(authority["authority"]), run_id, user,
-                        parse_public_key(authority[user] + ".pub"), lifetime)
+                        read_public_key(authority[user] + ".pub"), lifetime)
     path = path or str(authority["root"] / f"{user}-{lifetime}.token")
     Path(path).write_text(token_to_json(token))
     return token, path
 
 
 def test_tokens_are_bound_to_the_run_the_key_and_the_clock(authority):
-    authority_key = parse_public_key(authority["authority"] + ".pub")
+    authority_key = read_public_key(authority["authority"] + ".pub")
     token, _ = _issue(authority, "alice", lifetime=60)
     assert check_token(token, authority_key, "run").ok
     assert "not signed by the authority of run 'other'" in check_token(token, authority_key, "other").reason
     assert "expired" in check_token(token, authority_key, "run", now=time.time() + 61).reason
-    assert not check_token(token, parse_public_key(authority["bob"] + ".pub"), "run").ok  # another authority
+    assert not check_token(token, read_public_key(authority["bob"] + ".pub"), "run").ok  # another authority
     token.username = "mallory"
     assert not check_token(token, authority_key, "run").ok  # tampered
     assert check_token(None, authority_key, "run").reason == "no access token"
@@ -100,13 +100,14 @@ def test_a_peer_without_with_an_expired_or_with_a_revoked_token_gets_one_clear_l
         assert alice.token() is token  # not renewed before half its lifetime
         # bob signs as alice: refused
         impostor = SwarmAuth("run", public, server=server.url, username="alice", key=authority["bob"])
-        with pytest.raises(AuthError, match="not signed by a key the allowlist lists for 'alice'"):
+        with pytest.raises(AuthError, match="refused a token for user 'alice': the request is not signed by a key the allowlist "
+                                             "lists for this user"):
             impostor.token()
         # the ban: alice's line is removed; her next renewal is refused, in one line
         allowlist.write_text("# users of run 'run'\n")
         alice._token = None
-        with pytest.raises(AuthError, match=r"^\[lightning_swarm\] the authority of run 'run' refused a token: user "
-                                            r"'alice' is not on the allowlist of run 'run'"):
+        with pytest.raises(AuthError, match=r"^\[lightning_swarm\] the authority of run 'run' refused a token for "
+                                            r"user 'alice': this user is not on the allowlist of this run"):
             alice.token()
     finally:
         server.stop()
@@ -143,7 +144,7 @@ def test_the_command_line_issues_a_token_and_takes_the_old_flag_spellings(author
     out = tmp_path / "alice.token"
     main(["issue", "--authority-key", authority["authority"], "--run-id", "run", "--username", "alice",
           "--public-key", authority["alice"] + ".pub", "--lifetime", "1h", "--out", str(out)])
-    authority_key = parse_public_key(authority["authority"] + ".pub")
+    authority_key = read_public_key(authority["authority"] + ".pub")
     from lightning_swarm.auth.tokens import token_from_json
 
     assert check_token(token_from_json(out.read_text()), authority_key, "run").ok
@@ -155,7 +156,7 @@ def test_the_command_line_issues_a_token_and_takes_the_old_flag_spellings(author
 def test_revert_orders_verify_only_with_the_authority_key(authority):
     from lightning_swarm.auth.tokens import load_private_key
 
-    authority_public = parse_public_key(authority["authority"] + ".pub")
+    authority_public = read_public_key(authority["authority"] + ".pub")
     order = RevertOrder.create(load_private_key(authority["authority"]), "run", 42, "QmPeer", "ckpt/epoch_40", 60)
     assert RevertOrder.parse(json.loads(json.dumps(order.__dict__))).is_valid(authority_public, "run")
     assert not order.is_valid(authority_public, "other-run")
@@ -249,7 +250,8 @@ def test_outsiders_get_no_record_in_and_into_no_averaging_group(authority, tmp_p
         server.stop()
 
     refused = _wait_line(tmp_path / "revoked.log", "REFUSED", outsiders["revoked"], 1)
-    assert "the authority of run 'authrun' refused a token: user 'carol' is not on the allowlist" in refused
+    assert ("the authority of run 'authrun' refused a token for user 'carol': this user is not on the allowlist"
+            in refused)
     honest_results = [json.loads((tmp_path / f"{n}.json").read_text()) for n in ("a", "b")]
     for mode in ("none", "expired", "revoked"):
         result = json.loads((tmp_path / f"{mode}.json").read_text())

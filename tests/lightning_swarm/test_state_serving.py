@@ -1,0 +1,126 @@
+"""Who may download a peer's state (issue 24, finding 11): with an authority, token holders only; at most
+``max_state_downloads`` at once per donor and one per requester. A real donor process on 127.0.0.1 (an averager
+with the guards, whose host process holds each request while a file exists, so downloads stay open), asked over a
+real libp2p connection with hivemind's own request and with this package's."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lightning_swarm.hivemind_ext.state_serving import check_max_state_downloads, download_request
+
+WORKER = Path(__file__).with_name("state_serving_worker.py")
+REPO = Path(__file__).resolve().parents[2]
+PREFIX = "serving_test"
+HANDLE = f"{PREFIX}::DecentralizedAverager.rpc_download_state"
+
+
+def test_max_state_downloads_is_checked():
+    assert check_max_state_downloads(3) == 3
+    for bad in (0, -1, 1.5, True, None):
+        with pytest.raises(ValueError, match="max_state_downloads must be a positive number"):
+            check_max_state_downloads(bad)
+
+
+async def _wait_log(path: Path, text: str, count: int, process, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        complete = path.read_text(errors="replace").rpartition("\n")[0]  # complete lines only
+        if complete.count(text) >= count:
+            return
+        assert process.poll() is None, path.read_text(errors="replace")[-3000:]
+        await asyncio.sleep(0.1)  # the event loop sends the requests meanwhile
+    raise TimeoutError(f"no {count} x {text!r} in the donor's log:\n{path.read_text(errors='replace')[-3000:]}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_state_is_served_to_token_holders_one_download_each_and_a_bounded_number_at_once(tmp_path):
+    from hivemind.p2p import P2P, PeerID
+    from hivemind.proto import averaging_pb2
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    from lightning_swarm.auth.peer import SwarmAuth
+    from lightning_swarm.auth.tokens import generate_key, issue_token, read_public_key, save_key, token_to_json
+
+    authority_key = generate_key()
+    save_key(authority_key, str(tmp_path / "authority.pem"))
+    auths = {}
+    for user in ("donor", "alice", "bob", "carol"):
+        save_key(generate_key(), str(tmp_path / f"{user}.pem"))
+        token = issue_token(authority_key, "servingrun", user, read_public_key(str(tmp_path / f"{user}.pem.pub")), 600)
+        (tmp_path / f"{user}.token").write_text(token_to_json(token))
+        auths[user] = SwarmAuth("servingrun", str(tmp_path / "authority.pem.pub"), token=str(tmp_path / f"{user}.token"),
+                                key=str(tmp_path / f"{user}.pem"))
+    hold, log = tmp_path / "hold", tmp_path / "donor.log"
+    hold.write_text("")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    donor = subprocess.Popen(
+        [sys.executable, str(WORKER), "--run", "servingrun", "--authority", str(tmp_path / "authority.pem.pub"),
+         "--token", str(tmp_path / "donor.token"), "--key", str(tmp_path / "donor.pem"), "--hold", str(hold),
+         "--max-state-downloads", "2"], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
+        start_new_session=True)
+
+    async def scenario():
+        await _wait_log(log, "DONOR ", 1, donor)
+        line = next(line for line in log.read_text().splitlines() if line.startswith("DONOR "))
+        _, address, peer_id = line.split()
+        donor_id = PeerID.from_base58(peer_id)
+        p2p = await P2P.create(initial_peers=[address], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        try:
+            own_id = p2p.peer_id.to_bytes()
+
+            def request_of(user, peer_id=own_id):
+                return download_request(auths[user], PREFIX, peer_id, MSGPackSerializer)
+
+            async def open_download(request):
+                return await p2p.iterate_protobuf_handler(donor_id, HANDLE, request, averaging_pb2.DownloadData)
+
+            async def first(stream, timeout=60.0):
+                try:
+                    return await asyncio.wait_for(stream.__anext__(), timeout)
+                except StopAsyncIteration:
+                    return None  # an empty stream: refused
+
+            # no token (hivemind's own request), and a proof made for another peer id: refused
+            assert await first(await open_download(averaging_pb2.DownloadRequest())) is None
+            assert await first(await open_download(request_of("alice", peer_id=b"another-peer"))) is None
+            # a join proof is no download proof
+            join_proof = auths["alice"].join_proof(PREFIX, own_id)
+            assert await first(await open_download(averaging_pb2.JoinRequest(
+                gather=MSGPackSerializer.dumps(join_proof)))) is None
+            # alice's download stays open (the donor holds it); her second at once is refused
+            alice_1 = await open_download(request_of("alice"))
+            await _wait_log(log, "serving this peer's state to user 'alice'", 1, donor)
+            assert await first(await open_download(request_of("alice"))) is None
+            # bob takes the second place; carol finds the donor full
+            bob = await open_download(request_of("bob"))
+            await _wait_log(log, "serving this peer's state to user 'bob'", 1, donor)
+            assert await first(await open_download(request_of("carol"))) is None
+            hold.unlink()  # the donor sends: both open downloads get the whole state
+            for stream in (alice_1, bob):
+                messages = [message async for message in stream]
+                assert messages and messages[0].metadata, "no state served"
+            # places freed: carol is served now
+            carol = await open_download(request_of("carol"))
+            assert [message async for message in carol]
+        finally:
+            await p2p.shutdown()
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 200))
+    finally:
+        os.killpg(donor.pid, signal.SIGKILL)
+        donor.wait(timeout=30)
+    text = log.read_text()
+    # no token; wrong peer id (the join proof's refusal reads the same: logged once a minute)
+    assert text.count("refused a state download by peer") == 2
+    assert "no access token" in text and "not signed for this peer id" in text
+    assert "it is downloading this peer's state already (one download at a time per requester)" in text
+    assert "refused a state download by user 'carol'" in text and "max_state_downloads=2" in text
