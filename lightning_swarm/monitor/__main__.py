@@ -84,8 +84,9 @@ def make_parser() -> argparse.ArgumentParser:
     dash = p.add_argument_group("dashboard", "a live page with the swarm's figures, served by this process")
     dash.add_argument("--dashboard-port", dest="dashboard_port", type=int, default=None,
                       help="serve the dashboard on this port (0: any free port; default: no dashboard)")
-    dash.add_argument("--dashboard-host", dest="dashboard_host", default="0.0.0.0",
-                      help="address the dashboard listens on (127.0.0.1: this machine only)")
+    dash.add_argument("--dashboard-host", dest="dashboard_host", default="127.0.0.1",
+                      help="address the dashboard listens on (default: this machine only; 0.0.0.0: every "
+                           "interface, anyone who can reach the port sees the page)")
     dash.add_argument("--dashboard-poll-seconds", dest="dashboard_poll_seconds",
                       type=float, default=3.0, help="how often the page fetches new figures")
     dash.add_argument("--sample-prompt", dest="sample_prompts", action="append", default=None,
@@ -155,7 +156,12 @@ def main(argv: Optional[List[str]] = None) -> None:
             upload_to=args.upload_to,
             upload_max_attempts=None,  # the monitor lives long: keep retrying until a newer checkpoint arrives
             upload_backoff_seconds=args.upload_backoff_seconds,
+            # with the authority's key (moderators) every checkpoint is signed: readers given the run's
+            # authority public key load only those
+            signer=strategy.swarm_auth.issuer if strategy.swarm_auth is not None else None,
         )
+        if strategy.swarm_auth is not None and strategy.swarm_auth.issuer is None:
+            logger.warning("checkpoints are saved unsigned: only a monitor started with --authority-key signs them")
     loggers = build_loggers([n.strip() for n in args.loggers.split(",") if n.strip()], args.log_dir, run_id,
                             args.wandb_project)
     dashboard = server = sampler = None
