@@ -27,12 +27,16 @@ import logging
 import os
 import signal
 import sys
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 from lightning_swarm.cli_flags import KebabCaseArgumentParser
 from lightning_swarm.monitor.config import build_strategy, strategy_section
 from lightning_swarm.peers import split_peer_list
 from lightning_swarm.recipe_config import build_model, load_yaml
+
+if TYPE_CHECKING:
+    from lightning_swarm.auth.peer import SwarmAuth
+    from lightning_swarm.checkpoint.saver import CheckpointSaver
 
 logger = logging.getLogger("lightning_swarm.monitor")
 
@@ -111,6 +115,25 @@ def without_own_address(initial_peers: List[str], identity_path: Optional[str]) 
     return [address for address in initial_peers if not address.rstrip("/").endswith(f"/p2p/{own_id}")]
 
 
+def make_saver(args: argparse.Namespace, auth: Optional["SwarmAuth"]) -> "CheckpointSaver":
+    """The monitor's checkpoint saver from its options. With the authority's key (``--authority-key``: the
+    moderators' monitor, ``auth.issuer``) every checkpoint is signed, so readers given the run's authority public key
+    load only those; a monitor of a run with an authority but without that key saves them unsigned (logged)."""
+    from lightning_swarm.checkpoint.saver import CheckpointSaver
+
+    signer = auth.issuer if auth is not None else None
+    if auth is not None and signer is None:
+        logger.warning("checkpoints are saved unsigned: only a monitor started with --authority-key signs them")
+    return CheckpointSaver(
+        args.checkpoint_dir,
+        keep_last=args.keep_last,
+        upload_to=args.upload_to,
+        upload_max_attempts=None,  # the monitor lives long: keep retrying until a newer checkpoint arrives
+        upload_backoff_seconds=args.upload_backoff_seconds,
+        signer=signer,
+    )
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     args = make_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -142,26 +165,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         strategy.swarm_auth = SwarmAuth.for_moderator(run_id, args.authority_key)
 
     # heavy imports after the arguments are known to be fine
-    from lightning_swarm.checkpoint.saver import CheckpointSaver
     from lightning_swarm.monitor.peer import MonitorPeer
     from lightning_swarm.monitor.runner import Monitor, build_loggers
 
     peer = MonitorPeer(module, strategy)  # prints the swarm's join message (lightning_swarm.peers)
     print("".join(f"MONITOR_ADDRESS {address}\n" for address in peer.addresses), end="", flush=True)
-    saver = None
-    if not args.no_checkpoints:
-        saver = CheckpointSaver(
-            args.checkpoint_dir,
-            keep_last=args.keep_last,
-            upload_to=args.upload_to,
-            upload_max_attempts=None,  # the monitor lives long: keep retrying until a newer checkpoint arrives
-            upload_backoff_seconds=args.upload_backoff_seconds,
-            # with the authority's key (moderators) every checkpoint is signed: readers given the run's
-            # authority public key load only those
-            signer=strategy.swarm_auth.issuer if strategy.swarm_auth is not None else None,
-        )
-        if strategy.swarm_auth is not None and strategy.swarm_auth.issuer is None:
-            logger.warning("checkpoints are saved unsigned: only a monitor started with --authority-key signs them")
+    saver = None if args.no_checkpoints else make_saver(args, strategy.swarm_auth)
     loggers = build_loggers([n.strip() for n in args.loggers.split(",") if n.strip()], args.log_dir, run_id,
                             args.wandb_project)
     dashboard = server = sampler = None

@@ -146,3 +146,22 @@ def test_signed_checkpoints_verify_and_others_are_refused_when_a_key_is_required
     write_seal(signed, "meta.json")
     with pytest.raises(CheckpointIntegrityError, match="is not signed"):
         read_checkpoint(signed, authority_public_key=authority_text)
+
+
+def test_the_moderators_monitor_signs_its_checkpoints(tmp_path):
+    """The monitor's saver from its command line: with --authority-key (auth.issuer) each checkpoint is signed."""
+    from lightning_swarm.auth.peer import SwarmAuth
+    from lightning_swarm.auth.tokens import generate_key, save_key
+    from lightning_swarm.monitor.__main__ import make_parser, make_saver
+
+    public = save_key(generate_key(), str(tmp_path / "authority"))
+    args = make_parser().parse_args(["--config", "c.yaml", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                                     "--authority-key", str(tmp_path / "authority")])
+    saved = make_saver(args, SwarmAuth.for_moderator("run", args.authority_key)).save(
+        TinyRegressor(), [], [], global_epoch=2, run_id="run")
+    assert read_checkpoint(saved, authority_public_key=public, run_id="run").meta["global_epoch"] == 2
+    # a monitor of that run without the authority's key saves unsigned checkpoints, which such readers refuse
+    public_text = open(public).read().strip()
+    unsigned = make_saver(args, SwarmAuth("run", public_text)).save(TinyRegressor(), [], [], global_epoch=3, run_id="run")
+    with pytest.raises(CheckpointIntegrityError, match="is not signed"):
+        read_checkpoint(unsigned, authority_public_key=public)
