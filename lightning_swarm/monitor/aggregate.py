@@ -6,7 +6,6 @@ Pure bookkeeping (no DHT, no torch), so it is easy to test and to reuse for a le
 from __future__ import annotations
 
 import csv
-import hashlib
 import json
 import logging
 import math
@@ -16,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional
 
 from lightning_swarm.metrics import LocalMetrics
-from lightning_swarm.monitor.records import BOUNDS
+from lightning_swarm.monitor.records import BOUNDS, peer_name  # noqa: F401 (peer_name: part of this module's API)
 
 # a peer whose two consecutive records are further apart than this was away in between: the gap is not
 # counted as time it contributed
@@ -25,11 +24,6 @@ MAX_CONTRIBUTION_GAP_SECONDS = 120.0
 MAX_CLOCK_SKEW_SECONDS = 60.0
 
 logger = logging.getLogger(__name__)
-
-
-def peer_name(public_key: bytes) -> str:
-    """A short stable name for a peer: the first 12 hex digits of the SHA-256 of its public key."""
-    return hashlib.sha256(public_key).hexdigest()[:12]
 
 
 @dataclass

@@ -10,6 +10,7 @@ logged once per peer and reason; the others are unaffected.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from typing import Any, Dict, Mapping, Optional, Tuple
@@ -32,6 +33,11 @@ INT_FIELDS = ("step", "samples_accumulated", "mini_steps")
 FLOAT_FIELDS = ("loss", "samples_per_second", "time")
 MAX_TOKEN_CHARS = 16384  # an access token's JSON is well under 2 KiB
 MAX_LOGGED = 10000  # (peer, reason) pairs remembered as logged
+
+
+def peer_name(public_key: bytes) -> str:
+    """A short stable name for a peer: the first 12 hex digits of the SHA-256 of its public key."""
+    return hashlib.sha256(public_key).hexdigest()[:12]
 
 
 class MalformedRecord(ValueError):
@@ -80,8 +86,6 @@ class MetricsDecoder:
 
     def decode_all(self, entries: Mapping[Any, Any]) -> Dict[bytes, LocalMetrics]:
         """``{public key: record}`` from the DHT's ``{subkey: ValueWithExpiration}`` of the metrics key."""
-        from lightning_swarm.monitor.aggregate import peer_name
-
         records: Dict[bytes, LocalMetrics] = {}
         for key, entry in entries.items():
             if not isinstance(key, bytes):
