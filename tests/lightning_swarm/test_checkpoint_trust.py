@@ -162,6 +162,7 @@ def test_the_moderators_monitor_signs_its_checkpoints(tmp_path):
     assert read_checkpoint(saved, authority_public_key=public, run_id="run").meta["global_epoch"] == 2
     # a monitor of that run without the authority's key saves unsigned checkpoints, which such readers refuse
     public_text = open(public).read().strip()
-    unsigned = make_saver(args, SwarmAuth("run", public_text)).save(TinyRegressor(), [], [], global_epoch=3, run_id="run")
+    unsigned = make_saver(args, SwarmAuth("run", public_text)).save(
+        TinyRegressor(), [], [], global_epoch=3, run_id="run")
     with pytest.raises(CheckpointIntegrityError, match="is not signed"):
         read_checkpoint(unsigned, authority_public_key=public)
