@@ -18,6 +18,7 @@ from lightning_swarm.monitor.dashboard import DashboardServer, DashboardState
 from lightning_swarm.monitor.records import MalformedRecord, MetricsDecoder, decode_metrics_record, fetch_metric_records
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
 
 
 def record_dict(loss=1.0, step=3, t=1000.0):
@@ -99,7 +100,7 @@ def test_malformed_records_from_a_real_dht_are_ignored_per_peer_and_logged_once(
 def test_fuzzed_metric_records_never_crash_the_decoder():
     """3000 mutated records (structured edits: edge values 0, -1, huge, NaN, wrong types, missing and unknown fields;
     msgpack bytes truncated, extended, flipped) decoded in a child process with a fixed seed."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, os.path.join(HERE, "fuzz_metric_records.py"), "--seed", "0",
                            "--count", "3000"], capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]  # a negative code would be a signal death
