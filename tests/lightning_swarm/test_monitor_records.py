@@ -106,4 +106,3 @@ def test_fuzzed_metric_records_never_crash_the_decoder():
     assert proc.returncode == 0, proc.stderr[-3000:]  # a negative code would be a signal death
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
     assert counts["inputs"] == 3000 and counts["refused"] > 500 and counts["accepted"] > 500
-    assert counts["slowest_decode_ms"] < 1000
