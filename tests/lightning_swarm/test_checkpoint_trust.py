@@ -166,3 +166,29 @@ def test_the_moderators_monitor_signs_its_checkpoints(tmp_path):
         TinyRegressor(), [], [], global_epoch=3, run_id="run")
     with pytest.raises(CheckpointIntegrityError, match="is not signed"):
         read_checkpoint(unsigned, authority_public_key=public)
+
+
+def test_a_trainer_told_the_authority_key_resumes_only_from_a_signed_checkpoint(tmp_path):
+    import lightning.pytorch as pl
+
+    from ckpt_tiny_module import RandomRegressionData
+    from lightning_swarm.checkpoint.callback import SwarmCheckpoint
+
+    authority = RSAPrivateKey()
+    key = authority.get_public_key().to_bytes().decode()
+    module = TinyRegressor()
+    (optimizer,), (scheduler,) = module.configure_optimizers()
+    states = [optimizer.state_dict()], [scheduler["scheduler"].state_dict()]
+    signed = save_checkpoint(str(tmp_path / "signed"), module, *states, global_epoch=1, signer=authority)
+    unsigned = save_checkpoint(str(tmp_path / "unsigned"), module, *states, global_epoch=1)
+
+    def fit(resume_from):
+        callback = SwarmCheckpoint(dirpath=str(tmp_path / "out"), resume_from=resume_from, resume_authority_key=key)
+        pl.Trainer(max_steps=1, callbacks=[callback], logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False, accelerator="cpu").fit(
+            TinyRegressor(), RandomRegressionData())
+        return callback
+
+    assert fit(signed).resumed_meta["global_epoch"] == 1
+    with pytest.raises(CheckpointIntegrityError, match="is not signed"):
+        fit(unsigned)
