@@ -57,13 +57,14 @@ from lightning_swarm.checkpoint.layout import (  # noqa: F401 (part of this modu
     sort_checkpoint_names,
 )
 from lightning_swarm.checkpoint.integrity import CheckpointIntegrityError, record_files, verify_files  # noqa: F401
-from lightning_swarm.checkpoint.model_spec import build_model, model_spec
+from lightning_swarm.checkpoint.model_spec import build_model, check_against_weights, model_spec
 from lightning_swarm.checkpoint.seal import (  # noqa: F401 (part of this module's API)
     MAX_META_BYTES,
     SEAL_FILE,
     parse_json,
     read_sealed_meta,
     write_seal,
+    written_before_seals,
 )
 from lightning_swarm.checkpoint.state_json import flatten_state, unflatten_state  # noqa: F401
 
@@ -268,8 +269,10 @@ class Checkpoint:
                 checkpoint may name (their code is imported and runs: name only packages you trust).
             base_class: the class the model must be (a subclass of), checked before anything is built.
         """
-        module = build_model(self.meta.get("model"), source=self.url, allowed_model_packages=allowed_model_packages,
-                             base_class=base_class).to(device)
+        options = dict(source=self.url, allowed_model_packages=allowed_model_packages, base_class=base_class)
+        with torch.device("meta"):  # first without memory: init args must build the model the weights file holds
+            check_against_weights(build_model(self.meta.get("model"), **options), self.model_file, self.url)
+        module = build_model(self.meta.get("model"), **options).to(device)
         self.load_into(module)
         return module.eval()
 
@@ -291,15 +294,6 @@ def resolve_checkpoint_url(url: str) -> str:
         f"No checkpoint at {url!r}: expected {META_FILE} (a checkpoint directory) or {LATEST_FILE} "
         f"(a directory of checkpoints written by SwarmCheckpoint)"
     )
-
-
-def _legacy_meta(meta_bytes: bytes) -> bool:
-    """True if meta.json says it was written before seals existed (format version 1 or 2)."""
-    try:
-        version = json.loads(meta_bytes).get("format_version")
-    except (ValueError, AttributeError, RecursionError):
-        return False
-    return isinstance(version, int) and version < 3
 
 
 def _download(fs: Any, remote: str, local: str, limit: Optional[int], url: str) -> None:
@@ -340,7 +334,7 @@ def read_checkpoint(url: str, cache_dir: Optional[str] = None, training_state: b
                 _download(fs, f"{path}/{name}", os.path.join(local_dir, name), MAX_META_BYTES, url)
             elif os.path.exists(os.path.join(local_dir, name)):
                 os.remove(os.path.join(local_dir, name))  # a stale seal from an earlier download of this URL
-    meta_bytes = read_sealed_meta(local_dir, META_FILE, url, authority_public_key, legacy_format=_legacy_meta)
+    meta_bytes = read_sealed_meta(local_dir, META_FILE, url, authority_public_key, legacy_format=written_before_seals)
     meta = parse_json(meta_bytes, META_FILE, url)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise ValueError(f"{url!r} is not a {FORMAT_NAME} (meta.json format="

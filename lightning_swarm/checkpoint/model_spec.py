@@ -24,6 +24,7 @@ import importlib
 import inspect
 import json
 import logging
+import math
 import re
 import types
 import typing
@@ -216,3 +217,28 @@ def build_model(spec: Optional[Dict[str, Any]], source: str = "the checkpoint",
         return cls(**kwargs)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{source}: cannot rebuild model {spec['class_path']!r} from its init args: {e}") from None
+
+
+def check_against_weights(probe: torch.nn.Module, model_file: str, source: str) -> None:
+    """Refuse init args that build a model other than the one the weights file holds, before it is built for real.
+
+    ``probe`` is the model built on the meta device (no memory). Every tensor of its state dict that the file holds
+    must have the file's shape, and its parameters and persistent buffers together may not hold more values than
+    the file (tied weights are stored once, so they count once). Reads only the file's header.
+    """
+    from safetensors import safe_open
+
+    with safe_open(model_file, framework="pt") as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    for name, tensor in probe.state_dict(keep_vars=True).items():
+        if name in shapes and tuple(tensor.shape) != shapes[name]:
+            raise ValueError(f"{source}: model.init_args build {name} of shape {tuple(tensor.shape)}, the weights file "
+                             f"holds {shapes[name]}; refusing to build it")
+    non_persistent = {f"{prefix}.{name}" if prefix else name for prefix, module in probe.named_modules()
+                      for name in getattr(module, "_non_persistent_buffers_set", ())}
+    wanted = sum(p.numel() for p in probe.parameters()) + sum(
+        b.numel() for name, b in probe.named_buffers() if name not in non_persistent)
+    held = sum(math.prod(shape) for shape in shapes.values())
+    if wanted > held:
+        raise ValueError(f"{source}: model.init_args build a model of {wanted} values, the weights file holds {held}; "
+                         f"refusing to build it")

@@ -58,6 +58,15 @@ def parse_json(data: bytes, name: str, source: str) -> Any:
                                        f"refusing to load it") from None
 
 
+def written_before_seals(meta_bytes: bytes) -> bool:
+    """True if meta.json says it was written before seals existed (format version 1 or 2)."""
+    try:
+        version = json.loads(meta_bytes).get("format_version")
+    except (ValueError, AttributeError, RecursionError):
+        return False
+    return isinstance(version, int) and version < 3
+
+
 def write_seal(directory: str, meta_file: str, signer: Optional["RSAPrivateKey"] = None) -> None:
     """Write ``seal.json`` into ``directory`` for its ``meta_file``, signed with ``signer`` if given."""
     with open(os.path.join(directory, meta_file), "rb") as f:

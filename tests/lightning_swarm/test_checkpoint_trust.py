@@ -192,3 +192,17 @@ def test_a_trainer_told_the_authority_key_resumes_only_from_a_signed_checkpoint(
     assert fit(signed).resumed_meta["global_epoch"] == 1
     with pytest.raises(CheckpointIntegrityError, match="is not signed"):
         fit(unsigned)
+
+
+def test_init_args_that_build_another_model_than_the_weights_are_refused_before_it_is_built(tmp_path):
+    """An allowed class with hostile sizes: checked on the meta device against the weights file's header (the
+    message is the check's, not the failed load's after a real build)."""
+    path = save_checkpoint(str(tmp_path / "run"), TinyRegressor(dim=8), global_epoch=1)
+    for init_args, message in (({"dim": 10 ** 6}, r"init_args build embed.weight of shape \(16, 1000000\)"),
+                               ({"hidden": 10 ** 6}, "init_args build .* of shape"),
+                               ({"dim": 6}, r"the weights file holds \(16, 8\)")):
+        rewrite_meta(path, lambda meta: meta["model"].update(init_args=init_args))
+        with pytest.raises(ValueError, match=message):
+            read_checkpoint(path).build_model(allowed_model_packages=["ckpt_tiny_module"])
+    rewrite_meta(path, lambda meta: meta["model"].update(init_args={"dim": 8}))
+    assert read_checkpoint(path).build_model(allowed_model_packages=["ckpt_tiny_module"]).embed.weight.shape == (16, 8)
