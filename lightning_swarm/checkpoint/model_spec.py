@@ -215,8 +215,9 @@ def build_model(spec: Optional[Dict[str, Any]], source: str = "the checkpoint",
     kwargs = init_kwargs(cls, init_args, source)
     try:
         return cls(**kwargs)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{source}: cannot rebuild model {spec['class_path']!r} from its init args: {e}") from None
+    except Exception as e:  # whatever the class's own checks raise about hostile init args (sizes torch refuses...)
+        raise ValueError(f"{source}: cannot rebuild model {spec['class_path']!r} from its init args: "
+                         f"{type(e).__name__}: {str(e)[:300]}") from None
 
 
 def check_against_weights(probe: torch.nn.Module, model_file: str, source: str) -> None:

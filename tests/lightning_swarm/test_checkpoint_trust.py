@@ -3,6 +3,7 @@ its init args, refuses an edited meta.json, and (given the run's authority key) 
 
 import json
 import os
+import subprocess
 import sys
 import textwrap
 
@@ -206,3 +207,18 @@ def test_init_args_that_build_another_model_than_the_weights_are_refused_before_
             read_checkpoint(path).build_model(allowed_model_packages=["ckpt_tiny_module"])
     rewrite_meta(path, lambda meta: meta["model"].update(init_args={"dim": 8}))
     assert read_checkpoint(path).build_model(allowed_model_packages=["ckpt_tiny_module"]).embed.weight.shape == (16, 8)
+
+
+def test_fuzzed_checkpoint_meta_never_runs_code_or_crashes():
+    """600 mutated checkpoints (resealed meta.json edits: class paths, init args with class specs and hostile sizes,
+    files records, format fields; bytes damaged in meta.json or seal.json) read and rebuilt in a child process with a
+    fixed seed: each ends in a model or a ValueError, and the module whose import writes a marker is never imported."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(here)),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, os.path.join(here, "fuzz_checkpoint_meta.py"), "--seed", "0",
+                           "--count", "600"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]  # a negative code would be a signal death
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert counts["cases"] == 600 and counts["unexpected"] == 0, counts["first_unexpected"]
+    assert counts["built"] > 10 and counts["refused"] > 300
