@@ -62,7 +62,7 @@ def model_spec(module: torch.nn.Module) -> Dict[str, Any]:
 def allowed_packages(extra: Optional[Iterable[str]] = None) -> Tuple[str, ...]:
     """The default allowed packages plus ``extra`` (each checked to be a dotted module name)."""
     packages = list(DEFAULT_ALLOWED_MODEL_PACKAGES)
-    for name in extra or ():
+    for name in [extra] if isinstance(extra, str) else extra or ():  # one name given as a string is one package
         if not isinstance(name, str) or not PUBLIC_DOTTED_NAME.fullmatch(name):
             raise ValueError(f"allowed_model_packages: {name!r} is not a package name like 'my_models' or 'org.models'")
         packages.append(name)
