@@ -338,7 +338,7 @@ def read_checkpoint(url: str, cache_dir: Optional[str] = None, training_state: b
     meta = parse_json(meta_bytes, META_FILE, url)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise ValueError(f"{url!r} is not a {FORMAT_NAME} (meta.json format="
-                         f"{meta.get('format') if isinstance(meta, dict) else None!r})")
+                         f"{str(meta.get('format') if isinstance(meta, dict) else None)[:80]!r})")
     if run_id is not None and meta.get("run_id") != run_id:
         raise CheckpointIntegrityError(f"Checkpoint {url} belongs to run {str(meta.get('run_id'))[:80]!r}, not "
                                        f"{run_id!r}; refusing to load it")
@@ -360,13 +360,13 @@ def read_checkpoint(url: str, cache_dir: Optional[str] = None, training_state: b
     with open(os.path.join(local_dir, STATE_JSON_FILE), "rb") as f:
         structure = parse_json(f.read(), STATE_JSON_FILE, url)
     tensors = load_file(os.path.join(local_dir, STATE_TENSORS_FILE))
-    return Checkpoint(
-        url=url,
-        meta=meta,
-        model_file=os.path.join(local_dir, MODEL_FILE),
-        optimizer_states=[unflatten_state(s, tensors) for s in structure["optimizers"]],
-        scheduler_states=[unflatten_state(s, tensors) for s in structure["schedulers"]],
-    )
+    try:
+        optimizer_states = [unflatten_state(s, tensors) for s in structure["optimizers"]]
+        scheduler_states = [unflatten_state(s, tensors) for s in structure["schedulers"]]
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"Checkpoint {url}: {STATE_JSON_FILE} is not a training state ({type(e).__name__})") from None
+    return Checkpoint(url=url, meta=meta, model_file=os.path.join(local_dir, MODEL_FILE),
+                      optimizer_states=optimizer_states, scheduler_states=scheduler_states)
 
 
 def load_checkpoint(
