@@ -11,6 +11,7 @@ logged once per peer and reason; the others are unaffected.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import math
 from typing import Any, Dict, Mapping, Optional, Tuple
@@ -57,7 +58,7 @@ def decode_metrics_record(value: Any) -> LocalMetrics:
     if set(value) - expected or set(value) - {"token"} != expected - {"token"}:
         raise MalformedRecord("fields", f"fields differ from LocalMetrics' (missing "
                                         f"{sorted(expected - {'token'} - set(value))}, unknown "
-                                        f"{sorted(repr(k)[:40] for k in set(value) - expected)[:5]})")
+                                        f"{[repr(k)[:40] for k in itertools.islice(set(value) - expected, 5)]})")
     fields: Dict[str, Any] = {}
     for name in INT_FIELDS + FLOAT_FIELDS:
         item = value[name]
