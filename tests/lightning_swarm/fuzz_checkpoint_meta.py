@@ -39,7 +39,8 @@ def random_json(rng: random.Random, depth: int = 0):
         return rng.choice(EDGE)
     if rng.random() < 0.5:
         return [random_json(rng, depth + 1) for _ in range(rng.randrange(4))]
-    return {rng.choice(ARGS + ["class_path", "init_args"]): random_json(rng, depth + 1) for _ in range(rng.randrange(4))}
+    keys = ARGS + ["class_path", "init_args"]
+    return {rng.choice(keys): random_json(rng, depth + 1) for _ in range(rng.randrange(4))}
 
 
 def mutate_meta(rng: random.Random, meta: dict) -> dict:
