@@ -25,7 +25,8 @@ class LoadedDALLE:
         return self.codec.decode(codes.reshape(codes.shape[0], grid, grid)).float().clamp(0, 1)
 
 
-def load_dalle(checkpoint: str | Path, device: str | torch.device = "cpu") -> LoadedDALLE:
+def load_dalle(checkpoint: str | Path, device: str | torch.device = "cpu", allowed_model_packages: tuple[str, ...] = (),
+               authority_public_key: str | None = None) -> LoadedDALLE:
     """Load a trained `recipes.dalle.module.DALLEModule` and build the image codec its config names.
 
     Args:
@@ -35,6 +36,10 @@ def load_dalle(checkpoint: str | Path, device: str | torch.device = "cpu") -> Lo
             model and its init args. An old Lightning `.ckpt` file also works (read with
             torch.load(weights_only=True)). Nothing is unpickled.
         device: where the model runs.
+        allowed_model_packages: packages besides the project's `recipes` whose DALLEModule subclasses the
+            checkpoint may name (their code is imported and runs: name only packages you trust).
+        authority_public_key: the run's authority public key (`ssh-rsa ...` or a file holding it): given, only a
+            checkpoint its monitor signed loads.
     """
     from recipes.dalle.module import DALLEModule
 
@@ -49,13 +54,12 @@ def load_dalle(checkpoint: str | Path, device: str | torch.device = "cpu") -> Lo
         from lightning_swarm.checkpoint.checkpoint_io import read_checkpoint
 
         try:
-            saved = read_checkpoint(str(checkpoint), training_state=False)
+            saved = read_checkpoint(str(checkpoint), training_state=False, authority_public_key=authority_public_key)
         except FileNotFoundError as e:
             raise ValueError(f"{e}. Train with `python -m recipes.dalle fit --config configs/dalle_tiny.yaml` "
                              f"(it writes runs/dalle_tiny/checkpoints/) or pass the swarm's checkpoint URL") from None
-        module = saved.build_model(device)
-        if not isinstance(module, DALLEModule):
-            raise ValueError(f"{saved.url} holds a {type(module).__name__}, not a DALL-E (recipes.dalle.DALLEModule)")
+        # the class is checked against DALLEModule before anything is built (see model_spec.build_model)
+        module = saved.build_model(device, allowed_model_packages, base_class=DALLEModule)
     model = module.model.to(device).eval()
     codec = module.image_codec()
     if hasattr(codec, "to"):

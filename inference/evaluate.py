@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict[str, dict]:
     args = build_parser().parse_args(argv)
-    dalle = load_dalle(args.checkpoint, args.device)
+    dalle = load_dalle(args.checkpoint, args.device, tuple(args.allow_model_packages), args.authority_public_key)
     reranker = CLIPReranker.load(args.clip_model, args.clip_pretrained, args.device)
     items = validation_captions(args.num_captions, args.data_seed)
     captions = [caption for caption, _ in items]

@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = build_parser().parse_args(argv)
-    dalle = load_dalle(args.checkpoint, args.device)
+    dalle = load_dalle(args.checkpoint, args.device, tuple(args.allow_model_packages), args.authority_public_key)
     reranker = CLIPReranker.load(args.clip_model, args.clip_pretrained, args.device)
     results = generate(dalle, reranker, args.prompt, args.out, args.num_candidates, args.keep, args.seed,
                        batch_size=args.batch_size, temperature=args.temperature, top_k=args.top_k or None,

@@ -29,6 +29,13 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, *, checkpoint_help: 
     parser.add_argument("--checkpoint", required=True,
                         help=f"{checkpoint_help}: a directory or URL (hf://owner/repo, any fsspec URL) of checkpoints "
                              "as SwarmCheckpoint and the monitor write them, or an old Lightning .ckpt file")
+    parser.add_argument("--allow-model-package", dest="allow_model_packages", action="append", default=[],
+                        metavar="PACKAGE",
+                        help="a package besides the project's recipes whose DALL-E classes a checkpoint may name "
+                             "(its code is imported and runs: only packages you trust); repeat for several")
+    parser.add_argument("--authority-public-key", default=None,
+                        help="the run's authority public key (ssh-rsa ... or a file holding it): only checkpoints "
+                             "its monitor signed load")
     parser.add_argument("--clip-model", default=DEFAULT_CLIP,
                         help="local CLIP directory (open_clip local-dir format) or open_clip name such as ViT-B-32")
     parser.add_argument("--clip-pretrained", default=None,

@@ -3,7 +3,8 @@
 Every training peer stores one record per run under the DHT key ``f"{run_id}_metrics"``; the subkey is the
 peer's RSA public key (``[owner:...]``), so hivemind's ``RSASignatureValidator`` lets only the owner overwrite
 its own record, and ``SchemaValidator`` rejects records that don't match :class:`LocalMetrics`.
-An auxiliary peer (a monitor) reads all of them with :func:`fetch_metrics`.
+An auxiliary peer (a monitor) reads all of them, checked field by field and within plausible bounds, with
+:func:`lightning_swarm.monitor.records.fetch_metric_records` (:func:`fetch_metrics` checks only the schema).
 
 Both the publishing and the reading DHT must carry the validators: create the DHT with
 ``record_validators=make_validators(run_id)`` or call :func:`add_metrics_validators` on a running one.

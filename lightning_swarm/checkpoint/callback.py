@@ -71,6 +71,8 @@ class SwarmCheckpoint(Callback):
             ``memory://``, ``s3://``...); None = local only. Uploads run in the background.
         resume_from: a checkpoint URL (a checkpoint directory, or a root with ``latest``) to start from:
             weights are loaded before the strategy sets up, optimizer/scheduler states when fit starts.
+        resume_authority_key: the run's authority public key (``ssh-rsa ...`` or a file holding it): resume only
+            from a checkpoint the run's moderators' monitor signed (see ``lightning_swarm.checkpoint.seal``).
         run_id: recorded in meta.json; defaults to ``trainer.strategy.run_id`` if the strategy has one.
         loss_key: logged metric recorded as the loss; falls back to the ``loss`` of the last training step.
         save_on_train_end: also save when training ends (if the state changed since the last save).
@@ -87,6 +89,7 @@ class SwarmCheckpoint(Callback):
         keep_last: int = 3,
         upload_to: Optional[str] = None,
         resume_from: Optional[str] = None,
+        resume_authority_key: Optional[str] = None,
         run_id: Optional[str] = None,
         loss_key: str = "train/loss",
         save_on_train_end: bool = True,
@@ -100,6 +103,7 @@ class SwarmCheckpoint(Callback):
             raise ValueError(f"every_n_epochs must be >= 1 or None, got {every_n_epochs}")
         self.every_n_epochs, self.every_n_minutes = every_n_epochs, every_n_minutes
         self.resume_from, self.run_id, self.loss_key = resume_from, run_id, loss_key
+        self.resume_authority_key = resume_authority_key
         self.save_on_train_end, self.final_upload_timeout = save_on_train_end, final_upload_timeout
         self.saver_kwargs = dict(
             dirpath=dirpath,
@@ -152,7 +156,7 @@ class SwarmCheckpoint(Callback):
             self.saver = CheckpointSaver(**self.saver_kwargs)
         if stage == "fit" and self.resume_from and self._resumed is None:
             # weights go in before strategy.setup, so a swarm strategy shares/averages the loaded weights
-            self._resumed = read_checkpoint(self.resume_from)
+            self._resumed = read_checkpoint(self.resume_from, authority_public_key=self.resume_authority_key)
             self._resumed.load_into(pl_module)
             self.resumed_meta = self._resumed.meta
             logger.info(f"Starting from checkpoint {self._resumed.url} (epoch {self.resumed_meta['global_epoch']})")

@@ -7,7 +7,9 @@ A checkpoint is a directory::
     training_state.json      the non-tensor structure of those states; tensors appear as {"__tensor__": key}
     meta.json                run id, global epoch, samples seen, loss, time, ..., ``model``: the class path and
                              init args that rebuild the model (see ``model_spec``), and the sha256 and size of
-                             each of the other files ("files"), which reading verifies
+                             each of the files above ("files"), which reading verifies
+    seal.json                the sha256 of meta.json, and the run authority's signature when the monitor of a
+                             run with an authority saved it (see ``seal``)
 
 Checkpoints of one run live side by side under a root directory, next to a ``latest`` file that names the
 newest complete one::
@@ -17,8 +19,11 @@ newest complete one::
     root/epoch_000012/...
 
 Nothing read back is unpickled: tensors come from safetensors, everything else from JSON. Reading checks
-every file against the sha256 in meta.json, so a flipped bit or a truncated download is refused, not loaded
-(this catches corruption; it is no signature: whoever can replace the files can replace meta.json too).
+meta.json against seal.json before parsing it and every other file against the sha256 in meta.json, so a flipped
+bit, an edit or a truncated download is refused, not loaded. Unsigned, this catches corruption only (whoever can
+replace the files can rewrite the hashes too); given the run's authority public key, reading also requires the
+authority's signature. Rebuilding the model from meta.json imports only classes of allowed packages
+(``model_spec``).
 ``latest`` must name a checkpoint directly inside its root; pruning orders checkpoints by epoch number.
 A save writes into a hidden temporary directory, renames it into place, then replaces ``latest``
 (``os.replace``), so a crash at any point leaves the previous checkpoint loadable.
@@ -36,7 +41,7 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Union
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -52,72 +57,31 @@ from lightning_swarm.checkpoint.layout import (  # noqa: F401 (part of this modu
     sort_checkpoint_names,
 )
 from lightning_swarm.checkpoint.integrity import CheckpointIntegrityError, record_files, verify_files  # noqa: F401
-from lightning_swarm.checkpoint.model_spec import build_model, model_spec
+from lightning_swarm.checkpoint.model_spec import build_model, check_against_weights, model_spec
+from lightning_swarm.checkpoint.seal import (  # noqa: F401 (part of this module's API)
+    MAX_META_BYTES,
+    SEAL_FILE,
+    parse_json,
+    read_sealed_meta,
+    write_seal,
+    written_before_seals,
+)
+from lightning_swarm.checkpoint.state_json import flatten_state, unflatten_state  # noqa: F401
+
+if TYPE_CHECKING:
+    from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 logger = logging.getLogger(__name__)
 
 FORMAT_NAME = "lightning-swarm-checkpoint"
-FORMAT_VERSION = 2  # 2: meta.json records each file's sha256 ("files")
+FORMAT_VERSION = 3  # 2: meta.json records each file's sha256 ("files"); 3: seal.json records meta.json's
 MODEL_FILE = "model.safetensors"
 STATE_TENSORS_FILE = "training_state.safetensors"
 STATE_JSON_FILE = "training_state.json"
 META_FILE = "meta.json"
-CHECKPOINT_FILES = (MODEL_FILE, STATE_TENSORS_FILE, STATE_JSON_FILE, META_FILE)
-HASHED_FILES = (MODEL_FILE, STATE_TENSORS_FILE, STATE_JSON_FILE)  # meta.json cannot hold its own hash
+CHECKPOINT_FILES = (MODEL_FILE, STATE_TENSORS_FILE, STATE_JSON_FILE, SEAL_FILE, META_FILE)
+HASHED_FILES = (MODEL_FILE, STATE_TENSORS_FILE, STATE_JSON_FILE)  # meta.json's own hash is in seal.json
 TMP_PREFIX = ".tmp-"
-
-# --------------------------------------------------------------------------- state flattening (no pickle)
-
-
-def flatten_state(obj: Any, tensors: Dict[str, torch.Tensor], path: str = "") -> Any:
-    """Turn a nested optimizer/scheduler state into JSON, moving every tensor into ``tensors``.
-
-    Tensors become ``{"__tensor__": key}``, tuples ``{"__tuple__": [...]}`` and dicts whose keys are not all
-    strings (optimizer states are keyed by int) ``{"__dict__": [[key, value], ...]}``. Values JSON can't hold
-    (e.g. lambdas inside a LambdaLR state) are dropped with a warning: the scheduler rebuilds them in code.
-    """
-    if isinstance(obj, torch.Tensor):
-        key = path or "tensor"
-        tensors[key] = obj.detach().to("cpu").contiguous()
-        return {"__tensor__": key}
-    if isinstance(obj, dict):
-        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
-            return {k: flatten_state(v, tensors, f"{path}.{k}") for k, v in obj.items()}
-        items = []
-        for k, v in obj.items():
-            if not isinstance(k, (str, int, float, bool)) and k is not None:
-                logger.warning(f"Checkpoint: dropping state entry {path}.{k!r}: key type {type(k).__name__}")
-                continue
-            items.append([k, flatten_state(v, tensors, f"{path}.{k}")])
-        return {"__dict__": items}
-    if isinstance(obj, tuple):
-        return {"__tuple__": [flatten_state(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]}
-    if isinstance(obj, list):
-        return [flatten_state(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]
-    if obj is None or isinstance(obj, (bool, int, str)):
-        return obj
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else {"__float__": repr(obj)}  # keep inf/nan exactly, JSON-valid
-    logger.warning(f"Checkpoint: dropping state entry {path}: {type(obj).__name__} is not tensor/JSON data")
-    return None
-
-
-def unflatten_state(obj: Any, tensors: Dict[str, torch.Tensor]) -> Any:
-    """Inverse of :func:`flatten_state`."""
-    if isinstance(obj, dict):
-        if "__tensor__" in obj:
-            return tensors[obj["__tensor__"]]
-        if "__tuple__" in obj:
-            return tuple(unflatten_state(v, tensors) for v in obj["__tuple__"])
-        if "__dict__" in obj:
-            return {k: unflatten_state(v, tensors) for k, v in obj["__dict__"]}
-        if "__float__" in obj:
-            return float(obj["__float__"])
-        return {k: unflatten_state(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [unflatten_state(v, tensors) for v in obj]
-    return obj
-
 
 # --------------------------------------------------------------------------- writing
 
@@ -145,8 +109,10 @@ def write_checkpoint_dir(
     optimizer_states: List[dict],
     scheduler_states: List[dict],
     meta: Dict[str, Any],
+    signer: Optional["RSAPrivateKey"] = None,
 ) -> None:
-    """Write the files of one checkpoint into an existing, empty ``directory`` (not atomic by itself)."""
+    """Write the files of one checkpoint into an existing, empty ``directory`` (not atomic by itself); ``signer``:
+    the run authority's private key that signs its seal (None: unsigned)."""
     save_model(module, os.path.join(directory, MODEL_FILE))
     _fsync_file(os.path.join(directory, MODEL_FILE))
     tensors: Dict[str, torch.Tensor] = {}
@@ -159,6 +125,7 @@ def write_checkpoint_dir(
     files = record_files(directory, HASHED_FILES)
     meta = dict(meta, format=FORMAT_NAME, format_version=FORMAT_VERSION, files=files)
     _write_json(os.path.join(directory, META_FILE), meta)
+    write_seal(directory, META_FILE, signer)
 
 
 def save_checkpoint(
@@ -174,6 +141,7 @@ def save_checkpoint(
     extra_meta: Optional[Dict[str, Any]] = None,
     keep_last: Optional[int] = None,
     protected: Optional[set] = None,
+    signer: Optional["RSAPrivateKey"] = None,
 ) -> str:
     """Atomically save a checkpoint under the local directory ``root`` and point ``root/latest`` at it.
 
@@ -189,6 +157,7 @@ def save_checkpoint(
         extra_meta: more JSON-serializable fields for meta.json.
         keep_last: if set, delete all but the newest ``keep_last`` checkpoints afterwards.
         protected: names of checkpoints that pruning must not delete (e.g. still being uploaded).
+        signer: the run authority's private key: signs the checkpoint (the monitor of a run with an authority).
     Returns:
         the path of the new checkpoint directory.
     """
@@ -213,7 +182,7 @@ def save_checkpoint(
         **(extra_meta or {}),
     )
     try:
-        write_checkpoint_dir(tmp_dir, module, list(optimizer_states), list(scheduler_states), meta)
+        write_checkpoint_dir(tmp_dir, module, list(optimizer_states), list(scheduler_states), meta, signer)
         os.rename(tmp_dir, final_dir)
         _write_latest(root, name)
     finally:
@@ -290,9 +259,20 @@ class Checkpoint:
         device = next(iter(module.parameters()), torch.empty(0)).device
         load_model(module, self.model_file, strict=strict, device=str(device))
 
-    def build_model(self, device: str | torch.device = "cpu") -> torch.nn.Module:
-        """The model meta.json describes (class path + init args), with the saved weights, in eval mode."""
-        module = build_model(self.meta.get("model"), source=self.url).to(device)
+    def build_model(self, device: str | torch.device = "cpu", allowed_model_packages: Iterable[str] = (),
+                    base_class: Optional[type] = None) -> torch.nn.Module:
+        """The model meta.json describes (class path + init args), with the saved weights, in eval mode.
+
+        Args:
+            device: where the model goes.
+            allowed_model_packages: packages besides the project's ``recipes`` whose LightningModules the
+                checkpoint may name (their code is imported and runs: name only packages you trust).
+            base_class: the class the model must be (a subclass of), checked before anything is built.
+        """
+        options = dict(source=self.url, allowed_model_packages=allowed_model_packages, base_class=base_class)
+        with torch.device("meta"):  # first without memory: init args must build the model the weights file holds
+            check_against_weights(build_model(self.meta.get("model"), **options), self.model_file, self.url)
+        module = build_model(self.meta.get("model"), **options).to(device)
         self.load_into(module)
         return module.eval()
 
@@ -316,7 +296,19 @@ def resolve_checkpoint_url(url: str) -> str:
     )
 
 
-def read_checkpoint(url: str, cache_dir: Optional[str] = None, training_state: bool = True) -> Checkpoint:
+def _download(fs: Any, remote: str, local: str, limit: Optional[int], url: str) -> None:
+    """Copy one remote file, refusing it before the download if it is larger than ``limit`` bytes."""
+    if limit is not None:
+        size = fs.size(remote)
+        if not isinstance(size, int) or size > limit:
+            raise CheckpointIntegrityError(f"Checkpoint {url}: {os.path.basename(remote)} has {size} bytes, more "
+                                           f"than {limit} (meta.json's record or the format's cap); not downloading it")
+    fs.get_file(remote, local)
+
+
+def read_checkpoint(url: str, cache_dir: Optional[str] = None, training_state: bool = True,
+                    authority_public_key: Optional[Union[str, "RSAPublicKey"]] = None,
+                    run_id: Optional[str] = None) -> Checkpoint:
     """Read a checkpoint from a local path or any fsspec URL (``memory://``, ``s3://``, ``hf://user/repo``).
 
     Args:
@@ -324,38 +316,57 @@ def read_checkpoint(url: str, cache_dir: Optional[str] = None, training_state: b
         cache_dir: where remote files are downloaded (default: a directory under the system's temp dir named
             after the URL, so reading the same URL again overwrites rather than piles up copies).
         training_state: also read the optimizer/scheduler states (False for sampling: only the weights).
+        authority_public_key: the run's authority public key (``ssh-rsa ...``, a file holding it, or the key):
+            given, only a checkpoint its monitor signed loads (see :mod:`.seal`).
+        run_id: given, meta.json's run id must be this one.
     """
     url = resolve_checkpoint_url(url)
     fs, path = fsspec.core.url_to_fs(url)
+    needed = HASHED_FILES if training_state else (MODEL_FILE,)
     if isinstance(fs, LocalFileSystem):
         local_dir = path
     else:
         url_hash = hashlib.sha256(url.encode()).hexdigest()[:16]
         local_dir = cache_dir or os.path.join(tempfile.gettempdir(), "lightning_swarm_checkpoints", url_hash)
         os.makedirs(local_dir, exist_ok=True)
-        needed = CHECKPOINT_FILES if training_state else (MODEL_FILE, META_FILE)
+        for name in (SEAL_FILE, META_FILE):  # first: they say how large the others may be
+            if name == META_FILE or fs.isfile(f"{path}/{name}"):
+                _download(fs, f"{path}/{name}", os.path.join(local_dir, name), MAX_META_BYTES, url)
+            elif os.path.exists(os.path.join(local_dir, name)):
+                os.remove(os.path.join(local_dir, name))  # a stale seal from an earlier download of this URL
+    meta_bytes = read_sealed_meta(local_dir, META_FILE, url, authority_public_key, legacy_format=written_before_seals)
+    meta = parse_json(meta_bytes, META_FILE, url)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise ValueError(f"{url!r} is not a {FORMAT_NAME} (meta.json format="
+                         f"{str(meta.get('format') if isinstance(meta, dict) else None)[:80]!r})")
+    if run_id is not None and meta.get("run_id") != run_id:
+        raise CheckpointIntegrityError(f"Checkpoint {url} belongs to run {str(meta.get('run_id'))[:80]!r}, not "
+                                       f"{run_id!r}; refusing to load it")
+    files = meta.get("files")
+    if not isinstance(fs, LocalFileSystem):
         for name in needed:
-            fs.get_file(f"{path}/{name}", os.path.join(local_dir, name))
-    with open(os.path.join(local_dir, META_FILE)) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT_NAME:
-        raise ValueError(f"{url!r} is not a {FORMAT_NAME} (meta.json format={meta.get('format')!r})")
-    if meta.get("files") is None and isinstance(meta.get("format_version"), int) and meta["format_version"] < 2:
+            record = files.get(name) if isinstance(files, dict) else None
+            limit = record.get("bytes") if isinstance(record, dict) else None
+            _download(fs, f"{path}/{name}", os.path.join(local_dir, name), limit if isinstance(limit, int) else None,
+                      url)
+    if files is None and isinstance(meta.get("format_version"), int) and meta["format_version"] < 2:
         logger.warning(f"Checkpoint {url}: written before sha256 hashes were recorded; its files are not verified")
     else:
-        verify_files(local_dir, meta.get("files"), HASHED_FILES if training_state else (MODEL_FILE,), url)
+        if not os.path.isfile(os.path.join(local_dir, SEAL_FILE)):
+            logger.warning(f"Checkpoint {url}: written before seal.json existed; its meta.json is not verified")
+        verify_files(local_dir, files, needed, url)
     if not training_state:
         return Checkpoint(url=url, meta=meta, model_file=os.path.join(local_dir, MODEL_FILE))
-    with open(os.path.join(local_dir, STATE_JSON_FILE)) as f:
-        structure = json.load(f)
+    with open(os.path.join(local_dir, STATE_JSON_FILE), "rb") as f:
+        structure = parse_json(f.read(), STATE_JSON_FILE, url)
     tensors = load_file(os.path.join(local_dir, STATE_TENSORS_FILE))
-    return Checkpoint(
-        url=url,
-        meta=meta,
-        model_file=os.path.join(local_dir, MODEL_FILE),
-        optimizer_states=[unflatten_state(s, tensors) for s in structure["optimizers"]],
-        scheduler_states=[unflatten_state(s, tensors) for s in structure["schedulers"]],
-    )
+    try:
+        optimizer_states = [unflatten_state(s, tensors) for s in structure["optimizers"]]
+        scheduler_states = [unflatten_state(s, tensors) for s in structure["schedulers"]]
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"Checkpoint {url}: {STATE_JSON_FILE} is not a training state ({type(e).__name__})") from None
+    return Checkpoint(url=url, meta=meta, model_file=os.path.join(local_dir, MODEL_FILE),
+                      optimizer_states=optimizer_states, scheduler_states=scheduler_states)
 
 
 def load_checkpoint(
@@ -364,12 +375,14 @@ def load_checkpoint(
     optimizers: Optional[List[Any]] = None,
     schedulers: Optional[List[Any]] = None,
     strict: bool = True,
+    authority_public_key: Optional[Union[str, "RSAPublicKey"]] = None,
 ) -> Dict[str, Any]:
     """Load the checkpoint at ``url`` into ``module`` (and optionally optimizers/schedulers); return its meta.
 
     A recipe calls this to start from a checkpoint, e.g. ``load_checkpoint("hf://user/run", model)``.
+    ``authority_public_key``: given, only a checkpoint the run's authority signed loads (see :func:`read_checkpoint`).
     """
-    checkpoint = read_checkpoint(url)
+    checkpoint = read_checkpoint(url, authority_public_key=authority_public_key)
     checkpoint.load_into(module, strict=strict)
     for opt, state in zip(optimizers or [], checkpoint.optimizer_states):
         opt.load_state_dict(state)

@@ -1,7 +1,8 @@
 """Per-file sha256 records of a checkpoint (kept in meta.json) and their verification when reading.
 
-This catches corruption (a flipped bit on disk, a truncated download, a half-copied file); it is not a
-signature: whoever can replace the files can replace meta.json too.
+This catches corruption (a flipped bit on disk, a truncated download, a half-copied file). meta.json's own sha256
+is in seal.json (:mod:`.seal`); whoever can replace all the files can rewrite both, which only the authority's
+signature in the seal (checked when the reader is given the run's authority key) rules out.
 """
 
 from __future__ import annotations

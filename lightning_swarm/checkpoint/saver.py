@@ -7,12 +7,15 @@ which has no Trainer.
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Optional, Set
+from typing import TYPE_CHECKING, Any, List, Optional, Set
 
 import torch
 
 from lightning_swarm.checkpoint.checkpoint_io import save_checkpoint
 from lightning_swarm.checkpoint.upload import CheckpointUploader
+
+if TYPE_CHECKING:
+    from hivemind.utils.crypto import RSAPrivateKey
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +32,8 @@ class CheckpointSaver:
         upload_max_attempts: attempts per checkpoint before the uploader gives it up.
         upload_backoff_seconds: wait before the first retry of a failed upload (doubles each time).
         remote_keep_last: keep only this many checkpoints at an fsspec target (None = all).
+        signer: the run authority's private key, held by the monitor of a run with an authority: signs every
+            checkpoint, so readers given the authority's public key can verify it (None: unsigned).
     """
 
     def __init__(
@@ -39,10 +44,11 @@ class CheckpointSaver:
         upload_max_attempts: Optional[int] = 10,
         upload_backoff_seconds: float = 5.0,
         remote_keep_last: Optional[int] = None,
+        signer: Optional["RSAPrivateKey"] = None,
     ):
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 (got {keep_last}): the newest checkpoint is always kept")
-        self.dirpath, self.keep_last = dirpath, keep_last
+        self.dirpath, self.keep_last, self.signer = dirpath, keep_last, signer
         self.uploader = (
             CheckpointUploader(
                 upload_to,
@@ -74,6 +80,7 @@ class CheckpointSaver:
             scheduler_states,
             keep_last=self.keep_last,
             protected=protected,
+            signer=self.signer,
             **meta,
         )
         self.saved.append(path)

@@ -27,12 +27,16 @@ import logging
 import os
 import signal
 import sys
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 from lightning_swarm.cli_flags import KebabCaseArgumentParser
 from lightning_swarm.monitor.config import build_strategy, strategy_section
 from lightning_swarm.peers import split_peer_list
 from lightning_swarm.recipe_config import build_model, load_yaml
+
+if TYPE_CHECKING:
+    from lightning_swarm.auth.peer import SwarmAuth
+    from lightning_swarm.checkpoint.saver import CheckpointSaver
 
 logger = logging.getLogger("lightning_swarm.monitor")
 
@@ -84,8 +88,9 @@ def make_parser() -> argparse.ArgumentParser:
     dash = p.add_argument_group("dashboard", "a live page with the swarm's figures, served by this process")
     dash.add_argument("--dashboard-port", dest="dashboard_port", type=int, default=None,
                       help="serve the dashboard on this port (0: any free port; default: no dashboard)")
-    dash.add_argument("--dashboard-host", dest="dashboard_host", default="0.0.0.0",
-                      help="address the dashboard listens on (127.0.0.1: this machine only)")
+    dash.add_argument("--dashboard-host", dest="dashboard_host", default="127.0.0.1",
+                      help="address the dashboard listens on (default: this machine only; 0.0.0.0: every "
+                           "interface, anyone who can reach the port sees the page)")
     dash.add_argument("--dashboard-poll-seconds", dest="dashboard_poll_seconds",
                       type=float, default=3.0, help="how often the page fetches new figures")
     dash.add_argument("--sample-prompt", dest="sample_prompts", action="append", default=None,
@@ -108,6 +113,25 @@ def without_own_address(initial_peers: List[str], identity_path: Optional[str]) 
     with open(identity_path, "rb") as f:
         own_id = PeerID.from_identity(f.read()).to_base58()
     return [address for address in initial_peers if not address.rstrip("/").endswith(f"/p2p/{own_id}")]
+
+
+def make_saver(args: argparse.Namespace, auth: Optional["SwarmAuth"]) -> "CheckpointSaver":
+    """The monitor's checkpoint saver from its options. With the authority's key (``--authority-key``: the
+    moderators' monitor, ``auth.issuer``) every checkpoint is signed, so readers given the run's authority public key
+    load only those; a monitor of a run with an authority but without that key saves them unsigned (logged)."""
+    from lightning_swarm.checkpoint.saver import CheckpointSaver
+
+    signer = auth.issuer if auth is not None else None
+    if auth is not None and signer is None:
+        logger.warning("checkpoints are saved unsigned: only a monitor started with --authority-key signs them")
+    return CheckpointSaver(
+        args.checkpoint_dir,
+        keep_last=args.keep_last,
+        upload_to=args.upload_to,
+        upload_max_attempts=None,  # the monitor lives long: keep retrying until a newer checkpoint arrives
+        upload_backoff_seconds=args.upload_backoff_seconds,
+        signer=signer,
+    )
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -141,21 +165,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         strategy.swarm_auth = SwarmAuth.for_moderator(run_id, args.authority_key)
 
     # heavy imports after the arguments are known to be fine
-    from lightning_swarm.checkpoint.saver import CheckpointSaver
     from lightning_swarm.monitor.peer import MonitorPeer
     from lightning_swarm.monitor.runner import Monitor, build_loggers
 
     peer = MonitorPeer(module, strategy)  # prints the swarm's join message (lightning_swarm.peers)
     print("".join(f"MONITOR_ADDRESS {address}\n" for address in peer.addresses), end="", flush=True)
-    saver = None
-    if not args.no_checkpoints:
-        saver = CheckpointSaver(
-            args.checkpoint_dir,
-            keep_last=args.keep_last,
-            upload_to=args.upload_to,
-            upload_max_attempts=None,  # the monitor lives long: keep retrying until a newer checkpoint arrives
-            upload_backoff_seconds=args.upload_backoff_seconds,
-        )
+    saver = None if args.no_checkpoints else make_saver(args, strategy.swarm_auth)
     loggers = build_loggers([n.strip() for n in args.loggers.split(",") if n.strip()], args.log_dir, run_id,
                             args.wandb_project)
     dashboard = server = sampler = None

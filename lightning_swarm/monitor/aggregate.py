@@ -6,7 +6,6 @@ Pure bookkeeping (no DHT, no torch), so it is easy to test and to reuse for a le
 from __future__ import annotations
 
 import csv
-import hashlib
 import json
 import logging
 import math
@@ -16,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional
 
 from lightning_swarm.metrics import LocalMetrics
+from lightning_swarm.monitor.records import BOUNDS, peer_name  # noqa: F401 (peer_name: part of this module's API)
 
 # a peer whose two consecutive records are further apart than this was away in between: the gap is not
 # counted as time it contributed
@@ -24,11 +24,6 @@ MAX_CONTRIBUTION_GAP_SECONDS = 120.0
 MAX_CLOCK_SKEW_SECONDS = 60.0
 
 logger = logging.getLogger(__name__)
-
-
-def peer_name(public_key: bytes) -> str:
-    """A short stable name for a peer: the first 12 hex digits of the SHA-256 of its public key."""
-    return hashlib.sha256(public_key).hexdigest()[:12]
 
 
 @dataclass
@@ -64,22 +59,48 @@ class SwarmSnapshot:
         }
 
 
+def clip(value: float, name: str) -> float:
+    """``value`` clipped into the plausible bounds of the record field ``name`` (NaN: the lower bound)."""
+    low, high = BOUNDS[name]
+    return float(min(max(value, low), high)) if value == value else float(low)
+
+
+def finite_json(obj):
+    """``obj`` (JSON data) with every non-finite float replaced by None: what ``json.dumps(allow_nan=False)``
+    accepts, so that what the monitor writes and serves stays valid JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {key: finite_json(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_json(value) for value in obj]
+    return obj
+
+
 def aggregate(records: Mapping[bytes, LocalMetrics], samples_contributed: int = 0,
               refused_records: Optional[Mapping[str, int]] = None) -> Optional[SwarmSnapshot]:
     """Swarm-wide figures from ``records`` (public key -> latest record); None if there is no record.
-    ``refused_records``: counts of refused records by reason, passed into the snapshot."""
+    ``refused_records``: counts of refused records by reason, passed into the snapshot.
+
+    Every input is clipped into the plausible bounds of :data:`~lightning_swarm.monitor.records.BOUNDS` first
+    and the sums are exact (``math.fsum``), so no set of records makes a figure infinite or NaN."""
     if not records:
         return None
-    total_steps = sum(r.mini_steps for r in records.values())
+    steps = [clip(r.mini_steps, "mini_steps") for r in records.values()]
+    losses = [clip(r.loss, "loss") for r in records.values()]
+    total_steps = math.fsum(steps)
     if total_steps > 0:
-        loss = sum(r.loss * r.mini_steps for r in records.values()) / total_steps
+        loss = math.fsum(l * n for l, n in zip(losses, steps)) / total_steps
     else:  # nobody stepped since their last report: plain mean of the reported losses
-        loss = sum(r.loss for r in records.values()) / len(records)
+        loss = math.fsum(losses) / len(losses)
+    samples_per_second = math.fsum(clip(r.samples_per_second, "samples_per_second") for r in records.values())
+    if not (math.isfinite(loss) and math.isfinite(samples_per_second)):  # bounded inputs: cannot happen
+        raise ArithmeticError(f"swarm figures not finite from {len(records)} clipped records")
     return SwarmSnapshot(
-        step=max(r.step for r in records.values()),
+        step=int(clip(max(r.step for r in records.values()), "step")),
         loss=float(loss),
         alive_peers=len(records),
-        samples_per_second=float(sum(r.samples_per_second for r in records.values())),
+        samples_per_second=float(samples_per_second),
         samples_contributed=int(samples_contributed),
         records={peer_name(key): r.dict() for key, r in records.items()},
         refused_records=dict(refused_records or {}),
@@ -96,7 +117,9 @@ class RecordScreen:
     - ``future_time``: stamped more than ``max_clock_skew`` seconds after the monitor's DHT time;
     - ``epoch_beyond_swarm``: a global epoch more than one past the swarm's (as the progress tracker sees it);
     - ``samples_beyond_epochs``: more samples than the swarm's epochs hold (``(epoch + 2) * target_batch_size``:
-      every epoch so far, the current one, and one epoch's worth of slack for overshoot).
+      every epoch so far, the current one, and one epoch's worth of slack for overshoot);
+    - ``out_of_bounds``: any other field outside its plausible bounds (:data:`~lightning_swarm.monitor.records.BOUNDS`,
+      e.g. a loss of 1e308, whose sum over a few records would be infinite);
     - ``unauthenticated``: ``identify`` (if given) knows no user for the record.
 
     Args:
@@ -124,6 +147,8 @@ class RecordScreen:
             return "epoch_beyond_swarm"
         if record.samples_accumulated > (max(swarm_epoch, record.step) + 2) * self.target_batch_size:
             return "samples_beyond_epochs"
+        if not all(BOUNDS[name][0] <= getattr(record, name) <= BOUNDS[name][1] for name in BOUNDS):
+            return "out_of_bounds"
         if self.identify is not None:
             user = self.identify(key, record)
             if user is None:
@@ -213,5 +238,5 @@ class ContributionTable:
         os.replace(csv_tmp, os.path.join(directory, f"{basename}.csv"))
         json_tmp = os.path.join(directory, f".{basename}.json.tmp")
         with open(json_tmp, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(finite_json(rows), f, indent=1, allow_nan=False)
         os.replace(json_tmp, os.path.join(directory, f"{basename}.json"))

@@ -1,7 +1,8 @@
 """The monitor's live dashboard: a page that updates itself with the swarm's loss, peers, throughput, epoch and LR
 schedule, the contributors leaderboard and the newest CLIP-reranked samples.
 
-``python -m lightning_swarm.monitor --config ... --dashboard-port 8080`` serves it at ``http://HOST:8080/``.
+``python -m lightning_swarm.monitor --config ... --dashboard-port 8080`` serves it at ``http://127.0.0.1:8080/``
+(this machine only; ``--dashboard-host 0.0.0.0`` serves it on every interface).
 It works without Internet: the page and plotly.js (the file bundled in the ``plotly`` wheel) are served by this
 process with aiohttp, on a thread of its own next to the monitor's refresh loop. The page polls ``/api/state``
 (JSON) every few seconds and redraws.
@@ -9,7 +10,7 @@ process with aiohttp, on a thread of its own next to the monitor's refresh loop.
 Routes:
     /                    the page (``dashboard.html`` beside this file)
     /static/plotly.min.js
-    /api/state           everything the page shows, see :meth:`DashboardState.to_json`
+    /api/state           everything the page shows, see :meth:`DashboardState.to_json` (valid JSON: no NaN/Infinity)
     /samples/<file>.png  the newest sample grids (only files the sampler listed)
 """
 
@@ -20,13 +21,14 @@ import collections
 import importlib.resources
 import json
 import logging
+import math
 import os
 import socket
 import threading
 import time
 from typing import Any, Deque, Dict, List, Optional
 
-from lightning_swarm.monitor.aggregate import PeerContribution, SwarmSnapshot
+from lightning_swarm.monitor.aggregate import PeerContribution, SwarmSnapshot, finite_json
 
 logger = logging.getLogger(__name__)
 
@@ -98,11 +100,13 @@ class DashboardState:
             for line in f:
                 try:
                     row = json.loads(line)
-                    points.append(dict(time=float(row["time"]), epoch=int(row["step"]), loss=float(row["loss"]),
-                                       alive_peers=int(row["alive_peers"]),
-                                       samples_per_second=float(row["samples_per_second"])))
-                except (ValueError, KeyError, TypeError):
+                    point = dict(time=float(row["time"]), epoch=int(row["step"]), loss=float(row["loss"]),
+                                 alive_peers=int(row["alive_peers"]),
+                                 samples_per_second=float(row["samples_per_second"]))
+                except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
                     continue
+                if all(math.isfinite(value) for value in point.values()):  # a file of an older monitor may hold inf
+                    points.append(point)
         with self._lock:
             self._history.extend(points)
         return len(points)
@@ -122,14 +126,15 @@ class DashboardState:
         return None
 
     def to_json(self) -> Dict[str, Any]:
-        """The page's data: run id, current figures, chart history, LR schedule, leaderboard, samples."""
+        """The page's data: run id, current figures, chart history, LR schedule, leaderboard, samples (JSON data
+        without a non-finite float: those become null)."""
         with self._lock:
             samples = dict(self._samples)
             if samples:
                 samples["grids"] = [{k: v for k, v in g.items() if k != "path"} for g in samples.get("grids", [])]
-            return dict(run_id=self.run_id, server_time=time.time(), current=dict(self._current),
-                        history=list(self._history), schedule=dict(self._schedule),
-                        leaderboard=list(self._leaderboard), samples=samples)
+            return finite_json(dict(run_id=self.run_id, server_time=time.time(), current=dict(self._current),
+                                    history=list(self._history), schedule=dict(self._schedule),
+                                    leaderboard=list(self._leaderboard), samples=samples))
 
 
 class DashboardServer:
@@ -137,12 +142,12 @@ class DashboardServer:
 
     Args:
         state: what to show.
-        host: address to listen on (``0.0.0.0`` for everyone, ``127.0.0.1`` for this machine).
+        host: address to listen on (``127.0.0.1``: this machine only; ``0.0.0.0``: every interface).
         port: TCP port (0: any free port, see :attr:`url`).
         poll_seconds: how often the page asks for new data.
     """
 
-    def __init__(self, state: DashboardState, host: str = "0.0.0.0", port: int = 8080, poll_seconds: float = 3.0):
+    def __init__(self, state: DashboardState, host: str = "127.0.0.1", port: int = 8080, poll_seconds: float = 3.0):
         from aiohttp import web
 
         self.state, self.host, self.poll_seconds = state, host, poll_seconds
@@ -214,7 +219,7 @@ class DashboardServer:
     async def _api_state(self, request):
         from aiohttp import web
 
-        return web.Response(text=json.dumps(self.state.to_json()), content_type="application/json",
+        return web.Response(text=json.dumps(self.state.to_json(), allow_nan=False), content_type="application/json",
                             headers={"Cache-Control": "no-store"})
 
     async def _sample(self, request):

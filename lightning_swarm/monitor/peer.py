@@ -22,11 +22,12 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils import get_dht_time
 
-from lightning_swarm import metrics as swarm_metrics
 from lightning_swarm.auth.revert import RevertOrder, publish_revert_order
 from lightning_swarm.checkpoint.checkpoint_io import read_checkpoint
 from lightning_swarm.hivemind_ext.auth_guards import credible_newest_epoch
 from lightning_swarm.hivemind_ext.state import progress_key, set_local_epoch
+from lightning_swarm.metrics import LocalMetrics
+from lightning_swarm.monitor.records import MetricsDecoder, fetch_metric_records
 from lightning_swarm.strategy import HivemindStrategy
 from lightning_swarm.torch_ext import configure_single_optimizer
 
@@ -71,6 +72,7 @@ class MonitorPeer:
         self.optimizer = strategy.make_swarm_optimizer(optimizer, scheduler, **MONITOR_OPTIMIZER_OVERRIDES)
         # the monitor's state lags behind the trainers': only offer it when reverting
         self.optimizer.state_averager.allow_state_sharing = False
+        self.metrics_decoder = MetricsDecoder()
         self.reverted_epoch: Optional[int] = None
         self.revert_order: Optional[RevertOrder] = None
 
@@ -81,9 +83,10 @@ class MonitorPeer:
         """Full multiaddrs (with ``/p2p/<peer id>``) that trainers pass as ``initial_peers``."""
         return [str(maddr) for maddr in self.dht.get_visible_maddrs()]
 
-    def fetch_metrics(self) -> Dict[bytes, swarm_metrics.LocalMetrics]:
-        """The latest unexpired metrics record of every trainer, by public key."""
-        return swarm_metrics.fetch_metrics(self.dht, self.run_id)
+    def fetch_metrics(self) -> Dict[bytes, LocalMetrics]:
+        """The latest unexpired metrics record of every trainer, by public key; malformed or implausible records
+        are ignored for their peer and logged once (:mod:`lightning_swarm.monitor.records`)."""
+        return fetch_metric_records(self.dht, self.run_id, self.metrics_decoder)
 
     @property
     def epoch(self) -> int:

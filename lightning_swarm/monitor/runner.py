@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger
 
 from lightning_swarm.checkpoint.saver import CheckpointSaver
 from lightning_swarm.metrics import LocalMetrics
-from lightning_swarm.monitor.aggregate import ContributionTable, RecordScreen, SwarmSnapshot, aggregate
+from lightning_swarm.monitor.aggregate import ContributionTable, RecordScreen, SwarmSnapshot, aggregate, finite_json
 from lightning_swarm.monitor.dashboard import DashboardState
 from lightning_swarm.monitor.identity import token_identity
 from lightning_swarm.monitor.peer import MonitorPeer
@@ -145,7 +145,7 @@ class Monitor:
             pl_logger.save()
         self.contributions.write(self.log_dir)
         with open(os.path.join(self.log_dir, "snapshots.jsonl"), "a") as f:
-            f.write(json.dumps(dict(time=time.time(), **snapshot.__dict__)) + "\n")
+            f.write(json.dumps(finite_json(dict(time=time.time(), **snapshot.__dict__)), allow_nan=False) + "\n")
         logger.info(
             f"epoch {snapshot.step}: loss {snapshot.loss:.4f}, {snapshot.alive_peers} alive peers, "
             f"{snapshot.samples_per_second:.1f} samples/s, {snapshot.samples_contributed} samples contributed"

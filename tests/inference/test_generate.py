@@ -47,8 +47,11 @@ def test_swarm_checkpoints_load_from_a_directory_its_root_or_a_url(tiny_dalle_ch
     with pytest.raises(ValueError, match="No checkpoint at"):
         load_dalle(str(tmp_path / "empty"))
     save_checkpoint(str(tmp_path / "other"), NotADalle(width=3), global_epoch=1)
-    with pytest.raises(ValueError, match="not a DALL-E"):
-        load_dalle(str(tmp_path / "other"))
+    package = NotADalle.__module__.split(".")[0]
+    with pytest.raises(ValueError, match=f"outside the packages allowed .* --allow-model-package {package}"):
+        load_dalle(str(tmp_path / "other"))  # a class of this test module: not allowed by default
+    with pytest.raises(ValueError, match="holds a NotADalle, not a recipes.dalle.module.DALLEModule"):
+        load_dalle(str(tmp_path / "other"), allowed_model_packages=(package,))
 
 
 def test_generate_cli_writes_grids_and_scores(tiny_dalle_checkpoint, tiny_clip_dir, tmp_path):

@@ -24,6 +24,7 @@ from lightning_swarm.checkpoint.checkpoint_io import (
     unflatten_state,
 )
 from lightning_swarm.checkpoint.upload import CheckpointUploader
+from lightning_swarm.checkpoint.seal import write_seal
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -284,7 +285,8 @@ def test_saver_keeps_checkpoints_in_use_and_records_the_model(tmp_path):
     saved = read_checkpoint(str(tmp_path))
     assert saved.meta["model"] == {"class_path": "ckpt_tiny_module.TinyRegressor",
                                    "init_args": {"dim": 5, "hidden": 16, "lr": 1e-2}}
-    assert isinstance(saved.build_model(), TinyRegressor) and saved.build_model().embed.weight.shape == (16, 5)
+    rebuilt = saved.build_model(allowed_model_packages=["ckpt_tiny_module"])  # a test module: an explicit opt-in
+    assert isinstance(rebuilt, TinyRegressor) and rebuilt.embed.weight.shape == (16, 5)
 
 
 def test_fp16_loss_scale_survives_resume(tmp_path, caplog):
@@ -317,6 +319,7 @@ def test_fp16_loss_scale_survives_resume(tmp_path, caplog):
     meta = json.load(open(meta_path))
     meta["loss_scaler"]["scale"] = float("inf")
     json.dump(meta, open(meta_path, "w"))
+    write_seal(os.path.dirname(meta_path), "meta.json")  # as its writer sealed it: only the entry is bad
     with caplog.at_level("WARNING"):
         fp16_trainer(SwarmCheckpoint(dirpath=str(tmp_path / "c"), resume_from=str(tmp_path / "a")), 65536.0,
                      Spy()).fit(TinyRegressor(), RandomRegressionData())
