@@ -174,12 +174,13 @@ def dtype_fits(wire: torch.dtype, local: torch.dtype) -> bool:
             and wire.itemsize <= max(local.itemsize, torch.float32.itemsize))
 
 
-def check_tensor_message(message: runtime_pb2.Tensor, expected_shape: Optional[Sequence[int]] = None,
-                         expected_dtype: Optional[torch.dtype] = None) -> Tuple[Tuple[int, ...], torch.dtype]:
-    """Check a whole tensor message against its header (:func:`message_layout`) and the local tensor it fills.
+def check_tensor_header(message: runtime_pb2.Tensor, expected_shape: Optional[Sequence[int]] = None,
+                        expected_dtype: Optional[torch.dtype] = None) -> Tuple[Tuple[int, ...], torch.dtype]:
+    """Check what a message's header announces (compression type, dtype, shape, ``requires_grad``) against the
+    local tensor it fills, without reading its buffer (a streamed tensor's first part carries the header).
 
     Args:
-        message: the received message (not yet decoded).
+        message: the received message or the first part of a streamed one.
         expected_shape: the local tensor's shape (None: any shape).
         expected_dtype: the local tensor's dtype (None: any of :data:`WIRE_DTYPES`), see :func:`dtype_fits`.
 
@@ -189,11 +190,24 @@ def check_tensor_message(message: runtime_pb2.Tensor, expected_shape: Optional[S
     Raises:
         MalformedTensor: with the reason.
     """
+    name = compression_name(message)
+    if name not in _LAYOUTS:
+        raise MalformedTensor(f"compression type {name} is not decoded here")
     shape, dtype = message_shape(message), message_dtype(message)
     if expected_shape is not None and shape != tuple(expected_shape):
-        raise MalformedTensor(f"shape {list(shape)[:MAX_DIMS]} where this peer's tensor has {list(expected_shape)}")
+        raise MalformedTensor(f"shape {list(shape)} where this peer's tensor has {list(expected_shape)}")
     if expected_dtype is not None and not dtype_fits(dtype, expected_dtype):
         raise MalformedTensor(f"dtype {message.dtype} does not fit this peer's {expected_dtype}")
+    if message.requires_grad and not dtype.is_floating_point:
+        raise MalformedTensor(f"requires_grad on a {message.dtype} tensor")
+    return shape, dtype
+
+
+def check_tensor_message(message: runtime_pb2.Tensor, expected_shape: Optional[Sequence[int]] = None,
+                         expected_dtype: Optional[torch.dtype] = None) -> Tuple[Tuple[int, ...], torch.dtype]:
+    """Check a whole tensor message against the local tensor it fills (:func:`check_tensor_header`) and against its
+    own header (:func:`message_layout`); same arguments and result as :func:`check_tensor_header`."""
+    check_tensor_header(message, expected_shape, expected_dtype)
     return message_layout(message)
 
 

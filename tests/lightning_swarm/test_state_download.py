@@ -44,12 +44,10 @@ def test_a_truncated_tensor_is_refused_not_reshaped(where):
     assert assembler.tensors == []
 
 
-def test_a_tensor_of_another_shape_is_refused():
+def test_a_tensor_of_another_shape_is_refused_at_its_first_part():
     assembler = _TensorAssembler([torch.Size([10, 4])])
-    for part in _parts(torch.randn(4, 10)):
-        assembler.add(part)
-    with pytest.raises(StateDownloadError, match=r"shape \[4, 10\], this peer's has \[10, 4\]"):
-        assembler.close()
+    with pytest.raises(StateDownloadError, match=r"shape \[4, 10\] where this peer's tensor has \[10, 4\]"):
+        assembler.add(_parts(torch.randn(4, 10))[0])
 
 
 def test_a_part_without_its_tensor_start_is_refused():
