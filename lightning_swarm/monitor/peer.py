@@ -26,6 +26,7 @@ from lightning_swarm import metrics as swarm_metrics
 from lightning_swarm.auth.revert import RevertOrder, publish_revert_order
 from lightning_swarm.checkpoint.checkpoint_io import read_checkpoint
 from lightning_swarm.hivemind_ext.auth_guards import credible_newest_epoch
+from lightning_swarm.hivemind_ext.progress_records import check_progress_record
 from lightning_swarm.hivemind_ext.state import progress_key, set_local_epoch
 from lightning_swarm.strategy import HivemindStrategy
 from lightning_swarm.torch_ext import configure_single_optimizer
@@ -150,8 +151,8 @@ class MonitorPeer:
         progress = self.dht.get(progress_key(self.run_id), latest=True)
         for key, entry in (progress.value.items() if progress is not None and isinstance(progress.value, dict) else ()):
             try:
-                epoch = LocalTrainingProgress.parse_obj(entry.value).epoch
-            except Exception:
+                epoch = check_progress_record(entry.value, get_dht_time()).epoch
+            except Exception:  # malformed: not a claim
                 continue
             if key != RSASignatureValidator().local_public_key:
                 claims[key] = max(claims.get(key, 0), epoch)
