@@ -103,8 +103,8 @@ def _layout_float16(message, shape, numel, dtype_name) -> None:
 def _layout_meanstd16(message, shape, numel, dtype_name) -> None:
     if dtype_name not in NUMPY_FLOAT_DTYPES:
         raise MalformedTensor(f"MEANSTD_16BIT messages restore {sorted(NUMPY_FLOAT_DTYPES)}, not {dtype_name}")
-    if numel == 0:
-        raise MalformedTensor("an empty MEANSTD_16BIT message")
+    if not shape or numel == 0:
+        raise MalformedTensor("a MEANSTD_16BIT message needs at least one dimension and one value")
     stats = numel // shape[-1]  # one mean and one std per row of the last dimension
     _expect_length(message.buffer, 2 * numel + 2 * _FLOAT32 * stats, f"{numel} float16 values and {stats} mean/std pairs")
 
@@ -224,7 +224,7 @@ def max_buffer_length(compression: str, shape: Sequence[int], dtype_name: str) -
     if compression == "FLOAT16":
         return 2 * numel
     if compression == "MEANSTD_16BIT":
-        return 2 * numel + 2 * _FLOAT32 * (numel // shape[-1] if numel else 0)
+        return 2 * numel + 2 * _FLOAT32 * (numel // shape[-1] if shape and numel else 0)
     if compression == "BLOCKWISE_8BIT":
         return 2 * _INT64 + _FLOAT32 * (-(-numel // BLOCKWISE_BLOCKSIZE) + CODEBOOK_SIZE) + numel
     return _INT64 + _FLOAT32 * CODEBOOK_SIZE + numel  # UNIFORM_8BIT, QUANTILE_8BIT

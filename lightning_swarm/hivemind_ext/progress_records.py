@@ -49,6 +49,8 @@ def check_progress_record(value: Any, now: float) -> LocalTrainingProgress:
     """
     if not isinstance(value, dict):
         raise ValueError(f"a {type(value).__name__}, not a progress record")
+    if not isinstance(value.get("peer_id"), bytes):  # pydantic would turn a number or a string into bytes
+        raise ValueError(f"a peer id of type {type(value.get('peer_id')).__name__}")
     try:
         record = LocalTrainingProgress.parse_obj(value)
     except Exception as e:
