@@ -140,6 +140,7 @@ def _mutate_tensor(message, rng: random.Random):
                 size = [rng.randrange(2**32) for _ in range(rng.randrange(1, 4))]
             else:
                 size = [1] * rng.choice((17, 40))
+            size = [dim % 2**32 for dim in size]  # the field holds uint32
             del mutated.size[:]
             mutated.size.extend(size)
             done.append(f"size {size[:6]}")
