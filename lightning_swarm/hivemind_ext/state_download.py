@@ -98,6 +98,8 @@ class _TensorAssembler:
             self._start(part, index)
         elif self._header is None:
             raise StateDownloadError(f"tensor {index}: a part came before the tensor's first part")
+        elif not part.buffer:  # hivemind never streams one: parts would be bounded by nothing but their count
+            raise StateDownloadError(f"tensor {index}: an empty part")
         else:
             self._parts += 1
         if self._parts > self._header.chunks:
