@@ -25,8 +25,9 @@ one-element array is a TypeError there), so a swarm using them dies on the first
 Routing: hivemind looks the decoder of every incoming tensor up by its compression type in a process-wide
 registry (see :mod:`lightning_swarm.hivemind_ext.codecs`). :func:`register_fixed_codecs` puts our codec there for
 ``BLOCKWISE_8BIT`` (same wire format, working ``extract``) and numpy-2.4-safe subclasses of hivemind's codecs for
-``UNIFORM_8BIT``/``QUANTILE_8BIT``, so the process decodes every 8-bit message. Importing this module changes
-nothing; the registration happens when a :class:`SwarmCompression` is built (``default_compression()``), and
+``UNIFORM_8BIT``/``QUANTILE_8BIT``, so the process decodes every 8-bit message; every decoder there, hivemind's
+16-bit and uncompressed ones included, checks the message's header against its buffer before it reads or allocates
+(:mod:`lightning_swarm.wire_checks`: a stranger chooses those bytes). Importing this module changes nothing; the registration happens when a :class:`SwarmCompression` is built (``default_compression()``), and
 HivemindStrategy and the monitor call it before their averagers start, whatever codec they send with.
 """
 
@@ -42,6 +43,7 @@ from hivemind.compression import (
     Float16Compression,
     NoCompression,
     Quantile8BitQuantization,
+    ScaledFloat16Compression,
     SizeAdaptiveCompression,
     Uniform8BitQuantization,
 )
@@ -50,6 +52,7 @@ from hivemind.proto import runtime_pb2
 
 from lightning_swarm.aggregation import all_finite
 from lightning_swarm.hivemind_ext.codecs import register_decoders
+from lightning_swarm.wire_checks import MalformedTensor, message_layout
 
 # hivemind's BLOCKWISE_8BIT decoder hard-codes this block size; keeping it makes messages interoperable
 BLOCKSIZE = 4096
@@ -201,8 +204,12 @@ class Blockwise8BitQuantization(CompressionBase):
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         from bitsandbytes.functional import dequantize_blockwise
 
+        # bitsandbytes' kernel trusts the sizes it is given: check the header against the buffer first
+        shape, dtype = message_layout(serialized_tensor)
         buffer = serialized_tensor.buffer
         absmax_size, code_size = _read_int64(buffer, 0), _read_int64(buffer, 8)
+        if absmax_size == 0:  # an empty tensor: nothing for the kernel to do
+            return torch.empty(shape, dtype=dtype).requires_grad_(serialized_tensor.requires_grad)
         absmax = np.frombuffer(buffer, offset=16, count=absmax_size, dtype=np.float32)
         code = np.frombuffer(buffer, offset=16 + absmax.nbytes, count=code_size, dtype=np.float32)
         quantized = np.frombuffer(buffer, offset=16 + absmax.nbytes + code.nbytes, dtype=np.uint8)
@@ -212,23 +219,53 @@ class Blockwise8BitQuantization(CompressionBase):
             code=torch.as_tensor(code),
             blocksize=BLOCKSIZE,
         )
-        dtype = getattr(torch, serialized_tensor.dtype)
-        shape = tuple(serialized_tensor.size)
-        return restored.reshape(shape).to(dtype).requires_grad_(serialized_tensor.requires_grad)
+        return _as_announced(restored.reshape(shape).to(dtype), shape, dtype, serialized_tensor.requires_grad)
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
         return 8 / torch.finfo(info.descriptor.dtype).bits
 
 
+def _as_announced(tensor: torch.Tensor, shape: tuple, dtype: torch.dtype, requires_grad: bool) -> torch.Tensor:
+    """The decoded tensor, if it has the shape and dtype its (checked) header announced."""
+    if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+        raise MalformedTensor(f"decoded {list(tensor.shape)} {tensor.dtype}, announced {list(shape)} {dtype}")
+    return tensor.requires_grad_(requires_grad)
+
+
 def _extract_codebook_message(serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
-    """numpy-2.4-safe decoder of hivemind's ``Quantization`` layout (int64 n_code, float32 code, uint8 idx)."""
+    """numpy-2.4-safe, checked decoder of hivemind's ``Quantization`` layout (int64 n_code, float32 code, uint8 idx)."""
+    shape, dtype = message_layout(serialized_tensor)  # codebook size in range, every index within it
     buffer = serialized_tensor.buffer
     code_size = _read_int64(buffer, 0)
     codebook = np.frombuffer(buffer, offset=8, count=code_size, dtype=np.float32)
     quantized = np.frombuffer(buffer, offset=8 + codebook.nbytes, dtype=np.uint8)
-    quantized = torch.as_tensor(quantized, dtype=torch.int64).reshape(tuple(serialized_tensor.size))
-    codebook = torch.as_tensor(codebook).to(dtype=getattr(torch, serialized_tensor.dtype))
-    return codebook[quantized].requires_grad_(serialized_tensor.requires_grad)
+    quantized = torch.as_tensor(quantized, dtype=torch.int64).reshape(shape)
+    codebook = torch.as_tensor(codebook).to(dtype=dtype)
+    return _as_announced(codebook[quantized], shape, dtype, serialized_tensor.requires_grad)
+
+
+class CheckedNoCompression(NoCompression):
+    """hivemind's ``NoCompression`` (same messages) whose decoder checks dtype and length first."""
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        shape, dtype = message_layout(serialized_tensor)
+        return _as_announced(super().extract(serialized_tensor), shape, dtype, serialized_tensor.requires_grad)
+
+
+class CheckedFloat16Compression(Float16Compression):
+    """hivemind's ``Float16Compression`` (same messages) whose decoder checks dtype and length first."""
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        shape, dtype = message_layout(serialized_tensor)
+        return _as_announced(super().extract(serialized_tensor), shape, dtype, serialized_tensor.requires_grad)
+
+
+class CheckedScaledFloat16Compression(ScaledFloat16Compression):
+    """hivemind's ``ScaledFloat16Compression`` (same messages) whose decoder checks dtype and length first."""
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        shape, dtype = message_layout(serialized_tensor)
+        return _as_announced(super().extract(serialized_tensor), shape, dtype, serialized_tensor.requires_grad)
 
 
 class Uniform8BitQuantizationFixed(Uniform8BitQuantization):
@@ -286,8 +323,9 @@ def default_compression(threshold: int = DEFAULT_THRESHOLD) -> CompressionBase:
 
 
 def register_fixed_codecs() -> None:
-    """Make hivemind decode 8-bit messages with numpy-2.4-safe codecs, in this process and the averager processes
-    it starts afterwards. Idempotent. See the module docstring for why this is needed and safe."""
+    """Make hivemind decode every message with checked codecs (numpy-2.4-safe for 8-bit ones; each checks the
+    header against the buffer before decoding, :func:`lightning_swarm.wire_checks.message_layout`), in this process
+    and the averager processes it starts afterwards. Idempotent. See the module docstring for why."""
     global _FIXED_CODECS_REGISTERED
     if _FIXED_CODECS_REGISTERED:
         return
@@ -295,6 +333,9 @@ def register_fixed_codecs() -> None:
         "BLOCKWISE_8BIT": Blockwise8BitQuantization(),
         "UNIFORM_8BIT": Uniform8BitQuantizationFixed(),
         "QUANTILE_8BIT": Quantile8BitQuantizationFixed(),
+        "NONE": CheckedNoCompression(),
+        "FLOAT16": CheckedFloat16Compression(),
+        "MEANSTD_16BIT": CheckedScaledFloat16Compression(),
     })
     _FIXED_CODECS_REGISTERED = True
 

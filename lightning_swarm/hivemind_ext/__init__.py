@@ -43,6 +43,15 @@ Every private name used is listed in :data:`~lightning_swarm.hivemind_ext.privat
       replaced after hivemind built them; ``sender_peer_ids`` names the senders.
     - ``DecentralizedAverager._run_allreduce_inplace_``: hivemind's, building our runner; it uses ``_p2p``,
       ``_running_groups``, ``_averaging_alpha``, ``_state_updated`` as hivemind does.
+``gathered_checks`` (a group member's gathered data, checked before hivemind decodes the group's)
+    - ``DecentralizedAverager._aggregate_with_group``: extended, a malformed member's blob is replaced by a client's;
+      ``serializer`` decodes the blobs as hivemind does.
+``part_checks`` (every part and reducer result an all-reduce receives is checked before it is decoded)
+    - ``AllReduceRunner._accumulate_parts_streaming``: extended, a sender's parts are checked first (a malformed
+      one leaves the sender out of the rest of the round); it reads ``sender_peer_ids`` and
+      ``parts_for_local_averaging``.
+    - ``AllReduceRunner._get_peer_stub``: extended, a reducer's results are checked first (a malformed one keeps
+      the local values of its slice); it reads ``TensorPartContainer._input_parts_by_peer``.
 ``finite_state`` (a downloaded state with NaN/Inf is refused): public API only (``load_state_from_peers``).
 ``state`` (the monitor moving a state averager to another epoch)
     - ``TrainingStateAverager._update_scheduler``: steps the LR schedule to the new epoch.

@@ -32,6 +32,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from lightning_swarm.hivemind_ext.auth_guards import AuthenticatedAveraging, EpochGuard
 from lightning_swarm.hivemind_ext.credentials import PeerCredentials
 from lightning_swarm.hivemind_ext.finite_state import FiniteStateDownload
+from lightning_swarm.hivemind_ext.gathered_checks import CheckedGatheredData
 from lightning_swarm.hivemind_ext.grad_averager import SampleWeightedGradientAverager
 from lightning_swarm.hivemind_ext.matchmaking import ThrottledLeaderSearch
 from lightning_swarm.hivemind_ext.state_download import NoStateDownload, VerifiedStateDownload
@@ -69,9 +70,9 @@ class HivemindRpcNames:
         return hivemind_class._get_handle_name(namespace, method_name)
 
 
-class SwarmGradientAverager(HivemindRpcNames, AuthenticatedAveraging, GuardedStateServing, PatientGroupRegistration,
-                            ThrottledLeaderSearch, ProgressBoundedWeights, SampleWeightedGradientAverager,
-                            NoStateDownload):
+class SwarmGradientAverager(HivemindRpcNames, AuthenticatedAveraging, CheckedGatheredData, GuardedStateServing,
+                            PatientGroupRegistration, ThrottledLeaderSearch, ProgressBoundedWeights,
+                            SampleWeightedGradientAverager, NoStateDownload):
     """Gradient averager of a SwarmOptimizer: mean over samples, throttled leader search (``leader_poll_interval``),
     groupmates' parts wait for their group to be registered (:mod:`~lightning_swarm.hivemind_ext.round_groups`),
     screened all-reduce (``aggregation``, ``centered_clip_tau``, ``centered_clip_iters``,
@@ -79,19 +80,20 @@ class SwarmGradientAverager(HivemindRpcNames, AuthenticatedAveraging, GuardedSta
     ``progress_key``), no non-finite gradient sent, and a newcomer does not download the donor's gradient buffers
     (they are reset right after), its own are served to at most ``max_state_downloads`` requesters at once, one
     download each (:mod:`~lightning_swarm.hivemind_ext.state_serving`); in a run with an authority only authenticated
-    peers share a group and download state (``swarm_auth``)."""
+    peers share a group and download state (``swarm_auth``); a member's malformed gathered data does not fail the
+    round (:mod:`~lightning_swarm.hivemind_ext.gathered_checks`)."""
 
 
-class SwarmStateAverager(HivemindRpcNames, AuthenticatedAveraging, GuardedStateServing, PatientGroupRegistration,
-                         ThrottledLeaderSearch, RobustAveraging, TrainingStateAverager, FiniteStateDownload,
-                         VerifiedStateDownload):
+class SwarmStateAverager(HivemindRpcNames, AuthenticatedAveraging, CheckedGatheredData, GuardedStateServing,
+                         PatientGroupRegistration, ThrottledLeaderSearch, RobustAveraging, TrainingStateAverager,
+                         FiniteStateDownload, VerifiedStateDownload):
     """State averager of a SwarmOptimizer: hivemind's TrainingStateAverager with a throttled leader search,
     groupmates' parts that wait for their group to be registered (:mod:`~lightning_swarm.hivemind_ext.round_groups`),
     a screened all-reduce (every peer has weight 1 in state averaging: ``max_sender_weight=1``), a verified, retried
     state download (``state_download_attempts``) and no non-finite downloaded state, its own state served to at most
-    ``max_state_downloads`` requesters at once, one download each; in a run with an authority, groups of
-    authenticated peers only, state from plausible donors (or the one a moderator's revert names) and to token
-    holders only."""
+    ``max_state_downloads`` requesters at once, one download each, and a member's malformed gathered data does not fail
+    the round; in a run with an authority, groups of authenticated peers only, state from plausible donors (or the one
+    a moderator's revert names) and to token holders only."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("max_sender_weight", 1.0)

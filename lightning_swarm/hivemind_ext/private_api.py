@@ -150,6 +150,21 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
         ("AllReduceRunner.parts_for_local_averaging", "re-taken from the replacement container"),
         ("AllReduceRunner.sender_peer_ids", "names the senders and orders their weight bounds"),
     ], instance=True)
+    + _symbols("hivemind.averaging.averager", "gathered_checks", [
+        ("DecentralizedAverager._aggregate_with_group", "extended: malformed gathered data of a member replaced"),
+        ("DecentralizedAverager.serializer", "decodes the members' gathered data as hivemind does"),
+    ])
+    + _symbols("hivemind.averaging.allreduce", "part_checks", [
+        ("AllReduceRunner._accumulate_parts_streaming", "extended: a sender's parts are checked before decoding"),
+        ("AllReduceRunner._get_peer_stub", "extended: a reducer's results are checked before decoding"),
+    ])
+    + _symbols("hivemind.averaging.partition", "part_checks", [
+        ("TensorPartContainer._input_parts_by_peer", "the parts sent to a reducer: its results must match them"),
+    ], instance=True)
+    + _symbols("hivemind.averaging.allreduce", "part_checks", [
+        ("AllReduceRunner.sender_peer_ids", "names the sender whose part is refused"),
+        ("AllReduceRunner.parts_for_local_averaging", "the shapes and dtypes every sender's parts must have"),
+    ], instance=True)
     + _symbols("hivemind.averaging.averager", "robust_allreduce", [
         ("DecentralizedAverager._run_allreduce_inplace_", "overridden: hivemind's, building a RobustAllReduceRunner"),
     ])

@@ -48,6 +48,7 @@ from lightning_swarm.aggregation import (
     check_aggregation_options,
     screen_contributions,
 )
+from lightning_swarm.hivemind_ext.part_checks import CheckedPartStreams
 
 log = logging.getLogger(__name__)
 
@@ -273,8 +274,9 @@ class CheckedTensorPartContainer(TensorPartContainer):
 _RUNNER_ARGUMENTS = frozenset(inspect.signature(AllReduceRunner.__init__).parameters) - {"self", "kwargs"}
 
 
-class RobustAllReduceRunner(AllReduceRunner):
-    """hivemind's AllReduceRunner with :class:`CheckedTensorPartContainer` and :class:`RobustTensorPartReducer`.
+class RobustAllReduceRunner(CheckedPartStreams, AllReduceRunner):
+    """hivemind's AllReduceRunner with :class:`CheckedTensorPartContainer` and :class:`RobustTensorPartReducer`;
+    every part and result it receives is checked before it is decoded (:mod:`.part_checks`).
 
     Args:
         aggregation, centered_clip_tau, centered_clip_iters: see :class:`RobustTensorPartReducer`.

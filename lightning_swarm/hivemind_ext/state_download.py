@@ -12,16 +12,19 @@ hivemind 1.1.12's ``DecentralizedAverager._load_state_from_peers`` streams the s
   trains on from its own initialisation, and hivemind.Optimizer's retry loop never runs;
 - is waited for by the host process at most ``load_state_timeout`` in total, however fast data still arrives.
 
-:class:`VerifiedStateDownload` replaces that download: a part may take the ``timeout`` the host passes (hivemind.Optimizer:
-``load_state_timeout``; a stall, not a total), every tensor must arrive with the number of parts its first part announced, the parameters must have this
-peer's shapes, progress (MB, MB/s) is logged every few seconds, failed donors are retried with a backoff, and if all
-attempts fail the host gets an exception, so hivemind.Optimizer logs it and starts over. Nothing partial is ever
-deserialised or loaded.
+:class:`VerifiedStateDownload` replaces that download: a part may take the ``timeout`` the host passes
+(hivemind.Optimizer: ``load_state_timeout``; a stall, not a total), every tensor must arrive with the number of
+parts its first part announced, the tensors must be as many as this peer's state has, with its shapes and dtypes
+(checked on each tensor's first part, before its bytes are kept: the download never buffers more than this peer's
+own state takes on the wire), progress (MB, MB/s) is logged every few seconds, failed donors are retried with a
+backoff, and if all attempts fail the host gets an exception, so hivemind.Optimizer logs it and starts over. Nothing
+partial is ever deserialised or loaded.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -30,10 +33,17 @@ import torch
 from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import PeerID
-from hivemind.proto import averaging_pb2
-from hivemind.utils import MPFuture, get_logger
-from hivemind.utils.streaming import combine_from_streaming
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import MPFuture, get_logger, nested_flatten
 from hivemind.utils.timed_storage import ValueWithExpiration
+
+from lightning_swarm.wire_checks import (
+    MalformedTensor,
+    check_tensor_header,
+    check_tensor_message,
+    compression_name,
+    max_buffer_length,
+)
 
 # the download runs in hivemind's averager process: log under hivemind's logger, where its handler (HIVEMIND_LOGLEVEL)
 # shows the messages next to hivemind's own
@@ -42,6 +52,8 @@ logger = get_logger("hivemind.averaging.verified_state_download")
 DEFAULT_CHUNK_TIMEOUT = 30.0  # seconds without a single part from the donor: a stall, not a slow link
 DEFAULT_ATTEMPTS = 3  # rounds over all donors per call; hivemind.Optimizer calls again after an exception
 PROGRESS_LOG_INTERVAL = 5.0
+# the donor's metadata (epoch, group bits, the optimizer's non-tensor state): kilobytes for honest states
+MAX_METADATA_BYTES = 16 * 2**20
 
 
 class StateDownloadError(RuntimeError):
@@ -49,45 +61,89 @@ class StateDownloadError(RuntimeError):
 
 
 class _TensorAssembler:
-    """Collects the parts of streamed tensors; a tensor is complete only with every part its first one announced."""
+    """Collects the parts of streamed tensors, each checked against the local tensor it will fill as it arrives.
 
-    def __init__(self, expected_shapes: Sequence[torch.Size]):
-        self.expected_shapes = list(expected_shapes)
+    A tensor's first part carries its header (compression type, dtype, shape, number of parts): it must have the local
+    tensor's shape and a dtype that fits it (:func:`lightning_swarm.wire_checks.dtype_fits`), and the parts' bytes may
+    add up to no more than a well-formed message of that header takes
+    (:func:`~lightning_swarm.wire_checks.max_buffer_length`); a tensor past the local state's count is refused. So the
+    download never buffers more than this peer's own state takes on the wire. A tensor is complete only with every
+    part its first one announced; then its whole message is checked
+    (:func:`~lightning_swarm.wire_checks.check_tensor_message`) before it is decoded.
+
+    Args:
+        expected_shapes: the local state's tensors' shapes, in the order the donor sends them.
+        expected_dtypes: their dtypes (None: any dtype of :data:`~lightning_swarm.wire_checks.WIRE_DTYPES`).
+    """
+
+    def __init__(self, expected_shapes: Sequence[torch.Size], expected_dtypes: Optional[Sequence[torch.dtype]] = None):
+        self.expected_shapes = [torch.Size(shape) for shape in expected_shapes]
+        self.expected_dtypes = list(expected_dtypes) if expected_dtypes is not None else [None] * len(expected_shapes)
+        if len(self.expected_dtypes) != len(self.expected_shapes):
+            raise ValueError("give one expected dtype per expected shape")
         self.tensors: List[torch.Tensor] = []
-        self.parts: list = []
         self.bytes = 0
+        self._header: Optional[runtime_pb2.Tensor] = None  # the current tensor's first part, without its buffer
+        self._buffer = bytearray()
+        self._parts = 0
+        self._max_bytes = 0
 
-    def add(self, part) -> None:
+    def add(self, part: runtime_pb2.Tensor) -> None:
         self.bytes += len(part.buffer)
+        index = len(self.tensors)
         if part.dtype:  # the first part of a new tensor
-            if self.parts:
+            if self._header is not None:
                 self._finish(stream_ended=False)
-            if part.chunks < 1:
-                raise StateDownloadError(f"tensor {len(self.tensors)}: announced {part.chunks} parts")
-        elif not self.parts:
-            raise StateDownloadError(f"tensor {len(self.tensors)}: a part came before the tensor's first part")
-        self.parts.append(part)
-        if len(self.parts) > self.parts[0].chunks:
-            raise StateDownloadError(f"tensor {len(self.tensors)}: more parts than the {self.parts[0].chunks} announced")
+                index = len(self.tensors)
+            self._start(part, index)
+        elif self._header is None:
+            raise StateDownloadError(f"tensor {index}: a part came before the tensor's first part")
+        elif not part.buffer:  # hivemind never streams one: parts would be bounded by nothing but their count
+            raise StateDownloadError(f"tensor {index}: an empty part")
+        else:
+            self._parts += 1
+        if self._parts > self._header.chunks:
+            raise StateDownloadError(f"tensor {index}: more parts than the {self._header.chunks} announced")
+        if len(self._buffer) + len(part.buffer) > self._max_bytes:
+            raise StateDownloadError(f"tensor {index}: more than the {self._max_bytes} bytes a "
+                                     f"{compression_name(self._header)} tensor of this peer's shape takes")
+        self._buffer += part.buffer
+
+    def _start(self, part: runtime_pb2.Tensor, index: int) -> None:
+        if index >= len(self.expected_shapes):
+            raise StateDownloadError(f"tensor {index}: this peer's state has {len(self.expected_shapes)} tensors")
+        if part.chunks < 1:
+            raise StateDownloadError(f"tensor {index}: announced {part.chunks} parts")
+        header = runtime_pb2.Tensor()
+        header.CopyFrom(part)
+        header.buffer = b""
+        try:  # the header against the local tensor, before a byte of it is kept
+            check_tensor_header(header, self.expected_shapes[index], self.expected_dtypes[index])
+            self._max_bytes = max_buffer_length(compression_name(header), self.expected_shapes[index], header.dtype)
+        except MalformedTensor as e:
+            raise StateDownloadError(f"tensor {index}: {e}") from None
+        self._header, self._buffer, self._parts = header, bytearray(), 1
 
     def close(self) -> List[torch.Tensor]:
-        if self.parts:
+        if self._header is not None:
             self._finish(stream_ended=True)
         return self.tensors
 
     def _finish(self, stream_ended: bool) -> None:
-        announced, received = self.parts[0].chunks, len(self.parts)
+        announced, received = self._header.chunks, self._parts
         index = len(self.tensors)
         if received != announced:
             where = "the stream ended" if stream_ended else "the next tensor began"
             raise StateDownloadError(f"tensor {index} truncated: {where} after {received} of {announced} parts")
-        tensor = deserialize_torch_tensor(combine_from_streaming(self.parts))
-        if index < len(self.expected_shapes) and tensor.shape != self.expected_shapes[index]:
-            raise StateDownloadError(
-                f"tensor {index} has shape {list(tensor.shape)}, this peer's has {list(self.expected_shapes[index])}"
-            )
+        message = self._header
+        message.buffer, message.chunks = bytes(self._buffer), 0
+        self._header, self._buffer = None, bytearray()
+        try:
+            check_tensor_message(message, self.expected_shapes[index], self.expected_dtypes[index])
+            tensor = deserialize_torch_tensor(message)
+        except MalformedTensor as e:
+            raise StateDownloadError(f"tensor {index}: {e}") from None
         self.tensors.append(tensor)
-        self.parts = []
 
 
 class VerifiedStateDownload(DecentralizedAverager):
@@ -114,24 +170,34 @@ class VerifiedStateDownload(DecentralizedAverager):
         self._outer_pipe.send(("_load_state_from_peers", [], dict(timeout=timeout, future=future)))
         return future.result() if wait else future
 
-    def _expected_state_shapes(self) -> List[torch.Size]:
-        """Shapes the state's first tensors must have: parameters and extras of a TrainingStateAverager (its state
-        continues with optimizer statistics), else all averaged tensors."""
-        main_parameters = getattr(self, "main_parameters", None)
-        if main_parameters is not None:
-            return [tensor.shape for tensor in (*main_parameters, *getattr(self, "extra_tensors", ()))]
-        return [tensor.shape for tensor in self._averaged_tensors]
+    def _expected_state(self) -> Tuple[List[torch.Size], List[torch.dtype]]:
+        """Shapes and dtypes of the tensors a donor sends, from this peer's own state: a TrainingStateAverager's
+        optimized parameters, extra tensors and optimizer statistics (hivemind's ``get_current_state``), else all
+        averaged tensors."""
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is not None and getattr(self, "main_parameters", None) is not None:
+            parameters = [param for group in optimizer.param_groups for param in group["params"]]
+            statistics = [item for item in nested_flatten(optimizer.state_dict()) if isinstance(item, torch.Tensor)]
+            tensors = [*parameters, *getattr(self, "extra_tensors", ()), *statistics]
+        else:
+            tensors = list(self._averaged_tensors)
+        return [tensor.shape for tensor in tensors], [tensor.dtype for tensor in tensors]
 
     def _donor_priorities(self) -> Dict[PeerID, float]:
         """The state-sharing priority (usually the epoch) every peer that offers its state declared."""
         key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
         found = self.dht.get(key, latest=True)
         priorities = found.value if found is not None and isinstance(found.value, dict) else {}
-        return {
-            PeerID(peer_id): float(info.value)
-            for peer_id, info in priorities.items()
-            if isinstance(info, ValueWithExpiration) and isinstance(info.value, (float, int))
-        }
+        donors = {}
+        for peer_id, info in priorities.items():  # anyone may store here: keep the well-formed declarations only
+            if not (isinstance(peer_id, bytes) and isinstance(info, ValueWithExpiration)
+                    and isinstance(info.value, (float, int)) and math.isfinite(info.value)):
+                continue  # an infinite priority would always come first
+            try:
+                donors[PeerID(peer_id)] = float(info.value)
+            except Exception:
+                continue
+        return donors
 
     def _donors(self) -> List[PeerID]:
         ranked = {peer: (priority, random.random()) for peer, priority in self._donor_priorities().items()}
@@ -143,7 +209,7 @@ class VerifiedStateDownload(DecentralizedAverager):
 
     async def _download_from(self, peer: PeerID, chunk_timeout: float) -> Tuple[Any, List[torch.Tensor]]:
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
-        assembler = _TensorAssembler(self._expected_state_shapes())
+        assembler = _TensorAssembler(*self._expected_state())
         metadata = None
         start = last_log = time.monotonic()
         stream = await asyncio.wait_for(stub.rpc_download_state(await self._state_download_request()), chunk_timeout)
@@ -159,6 +225,9 @@ class VerifiedStateDownload(DecentralizedAverager):
                     f"({len(assembler.tensors)} tensors)"
                 ) from None
             if message.metadata:
+                if metadata is not None or len(message.metadata) > MAX_METADATA_BYTES:
+                    raise StateDownloadError(f"metadata of {len(message.metadata)} bytes (at most "
+                                             f"{MAX_METADATA_BYTES}, once)")
                 metadata = self.serializer.loads(message.metadata)
             assembler.add(message.tensor_part)
             now = time.monotonic()
@@ -170,8 +239,8 @@ class VerifiedStateDownload(DecentralizedAverager):
         if not metadata:
             raise StateDownloadError("the donor sent no metadata (it refused to share its state)")
         expected = len(assembler.expected_shapes)
-        if len(tensors) < expected:
-            raise StateDownloadError(f"received {len(tensors)} tensors, this peer's state has at least {expected}")
+        if len(tensors) != expected:  # more are refused as they arrive
+            raise StateDownloadError(f"received {len(tensors)} tensors, this peer's state has {expected}")
         elapsed = time.monotonic() - start
         logger.info(f"Downloaded state from {peer}: {assembler.bytes / 1e6:.1f} MB, {len(tensors)} tensors in "
                     f"{elapsed:.1f} s ({assembler.bytes / 1e6 / max(elapsed, 1e-9):.2f} MB/s)")

@@ -30,6 +30,8 @@ from hivemind.optim.progress_tracker import GlobalTrainingProgress, ProgressTrac
 from hivemind.utils import get_dht_time
 from hivemind.utils.timed_storage import ValueWithExpiration
 
+from lightning_swarm.hivemind_ext.progress_records import well_formed_records
+
 
 class _ThrottledEvent(threading.Event):
     """A threading.Event whose ``set()`` wakes waiters at most once per ``interval`` seconds.
@@ -111,6 +113,8 @@ class ThrottledProgressTracker(ProgressTracker):
             self.should_report_progress.set_now()
 
     def _parse_swarm_progress_data(self, metadata) -> GlobalTrainingProgress:
+        # strangers write these records: malformed ones (types, ranges, non-finite values) are ignored and logged
+        metadata = well_formed_records(metadata, get_dht_time(), keep=self._local_public_key)
         # hivemind counts this peer's samples from its own DHT record, which may now be up to one interval old:
         # use the live local progress instead, or the epoch would end late (more samples than target_batch_size)
         own = metadata.get(self._local_public_key) if isinstance(metadata, dict) else None

@@ -13,7 +13,9 @@ from typing import Dict, Optional
 
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
 
+from lightning_swarm.hivemind_ext.progress_records import check_progress_record
 from lightning_swarm.hivemind_ext.robust_allreduce import RobustAveraging
 from lightning_swarm.hivemind_ext.state import progress_key as run_progress_key
 
@@ -68,19 +70,18 @@ class ProgressBoundedWeights(RobustAveraging):
 
 def progress_weight_bounds(records: object) -> Dict[PeerID, float]:
     """Per-peer bound on a gradient weight from the progress records in the DHT (subkey -> ValueWithExpiration of
-    hivemind's ``LocalTrainingProgress`` dict): its ``samples_accumulated``. Malformed records are skipped. A peer id
-    claimed by several records gets the largest bound (a peer cannot lower another's)."""
+    hivemind's ``LocalTrainingProgress`` dict): its ``samples_accumulated``. Malformed records
+    (:func:`~lightning_swarm.hivemind_ext.progress_records.check_progress_record`) are skipped. A peer id claimed by
+    several records gets the largest bound (a peer cannot lower another's)."""
     bounds: Dict[PeerID, float] = {}
     if not isinstance(records, dict):
         return bounds
+    now = get_dht_time()
     for entry in records.values():
-        value = getattr(entry, "value", None)
-        if not isinstance(value, dict):
-            continue
         try:
-            peer, samples = PeerID(value["peer_id"]), float(value["samples_accumulated"])
+            record = check_progress_record(getattr(entry, "value", None), now)
+            peer = PeerID(record.peer_id)
         except Exception:
             continue
-        if samples == samples and samples != float("inf"):  # finite
-            bounds[peer] = max(bounds.get(peer, 0.0), samples)
+        bounds[peer] = max(bounds.get(peer, 0.0), float(record.samples_accumulated))
     return bounds

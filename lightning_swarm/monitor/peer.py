@@ -25,6 +25,7 @@ from hivemind.utils import get_dht_time
 from lightning_swarm.auth.revert import RevertOrder, publish_revert_order
 from lightning_swarm.checkpoint.checkpoint_io import read_checkpoint
 from lightning_swarm.hivemind_ext.auth_guards import credible_newest_epoch
+from lightning_swarm.hivemind_ext.progress_records import check_progress_record
 from lightning_swarm.hivemind_ext.state import progress_key, set_local_epoch
 from lightning_swarm.metrics import LocalMetrics
 from lightning_swarm.monitor.records import MetricsDecoder, fetch_metric_records
@@ -153,8 +154,8 @@ class MonitorPeer:
         progress = self.dht.get(progress_key(self.run_id), latest=True)
         for key, entry in (progress.value.items() if progress is not None and isinstance(progress.value, dict) else ()):
             try:
-                epoch = LocalTrainingProgress.parse_obj(entry.value).epoch
-            except Exception:
+                epoch = check_progress_record(entry.value, get_dht_time()).epoch
+            except Exception:  # malformed: not a claim
                 continue
             if key != RSASignatureValidator().local_public_key:
                 claims[key] = max(claims.get(key, 0), epoch)

@@ -230,3 +230,46 @@ def test_a_non_finite_value_does_not_spread_to_its_neighbours(numel, bad):
     neighbours[numel // 2] = False
     assert torch.isfinite(restored[neighbours]).all()
     assert rmse(restored[neighbours], tensor[neighbours]) < 0.02
+
+
+_ISSUE_24_PROBE = """
+import sys
+import numpy as np
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.proto import runtime_pb2
+import torch
+from lightning_swarm.compression import default_compression
+from lightning_swarm.wire_checks import MalformedTensor
+
+default_compression()  # a peer's start: installs the checked decoders
+codes = b"\\x01" * 2**20
+messages = {
+    "0 absmax, 0-entry codebook": np.int64(0).tobytes() * 2 + codes,
+    "1 absmax, 1-entry codebook": np.int64(1).tobytes() * 2 + np.float32(1).tobytes() * 2 + codes,
+}
+for name, buffer in messages.items():
+    message = runtime_pb2.Tensor(compression=runtime_pb2.BLOCKWISE_8BIT, buffer=buffer, size=[2**20],
+                                 dtype="float32")
+    try:
+        deserialize_torch_tensor(message)
+        print(name, "DECODED")
+    except MalformedTensor as e:
+        print(name, "REFUSED", e)
+honest = torch.randn(2**17)
+restored = deserialize_torch_tensor(serialize_torch_tensor(honest, runtime_pb2.BLOCKWISE_8BIT))
+print("honest", float((restored - honest).abs().max()) < 0.05 * float(honest.abs().max()))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_the_issues_crashing_blockwise_messages_are_refused():
+    """Issue 24, finding 1, in a child process (the unchecked decoder died of SIGSEGV on the first message and read
+    outside the buffer on the second): both are refused with the reason, an honest message still decodes."""
+    probe = subprocess.run([sys.executable, "-c", _ISSUE_24_PROBE], capture_output=True, text=True, timeout=170,
+                           cwd=Path(__file__).resolve().parents[2])
+    assert probe.returncode == 0, f"the decoding process died (return code {probe.returncode})\n{probe.stderr[-2000:]}"
+    lines = probe.stdout.splitlines()
+    assert lines[0] == ("0 absmax, 0-entry codebook REFUSED 0 absmax values for 1048576 values "
+                        "(256 blocks of 4096)")
+    assert lines[1].startswith("1 absmax, 1-entry codebook REFUSED 1 absmax values for 1048576 values")
+    assert lines[2] == "honest True"

@@ -1,0 +1,503 @@
+"""Fuzzers of every parser of received bytes on the averaging path (issue 24, item 2).
+
+Targets: one per registered codec (``NONE``, ``FLOAT16``, ``MEANSTD_16BIT``, ``UNIFORM_8BIT``, ``QUANTILE_8BIT``,
+``BLOCKWISE_8BIT``: hivemind's ``deserialize_torch_tensor`` with :func:`lightning_swarm.compression.register_fixed_codecs`
+installed), ``reducer_parts`` (a sender's part or a reducer's result: :func:`checked_part_messages`, then hivemind's
+decoding, as the all-reduce runs them), ``state_download`` (the assembly of a streamed state) and
+``progress_records`` (DHT progress records).
+
+Each target mutates honest messages (truncated, extended, header counts 0 / -1 / huge, shape and dtype changed,
+compression type swapped, bytes flipped, random buffers, several at once) and checks each outcome against an oracle
+written from the wire format's spec (:func:`spec_well_formed`): a message that is not well-formed (or does not fit
+the local tensor) must be refused, a well-formed one must decode to the shape and dtype it announced, and nothing
+decoded may take more memory than its buffer (codecs) or the local tensor it fills.
+
+Run in a child process (a SIGSEGV in a native kernel is then a signal death of the child, not of the test run):
+``python decoder_fuzz.py --seed 0 --count 2000 TARGET...`` prints one JSON line per target (``START <target>`` before
+each, so a death names its target). :func:`run_fuzzers` starts that child and parses its output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+CODEC_TARGETS = ("NONE", "FLOAT16", "MEANSTD_16BIT", "UNIFORM_8BIT", "QUANTILE_8BIT", "BLOCKWISE_8BIT")
+TARGETS = CODEC_TARGETS + ("reducer_parts", "state_download", "progress_records")
+REPO = Path(__file__).resolve().parents[2]
+
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
+_NUMPY_FLOATS = ("float16", "float32", "float64")
+_DTYPE_BYTES = dict(float16=2, bfloat16=2, float32=4, float64=8, uint8=1, int8=1, int16=2, int32=4, int64=8, bool=1)
+_ODD_DTYPES = ("complex64", "object", "O", "torch.float32", "", "float32 ", "a" * 300, "__class__", "load", "V8",
+               "float128", "<f4", "S4", "U1", "datetime64")
+
+
+# ------------------------------------------------------------------------------------------------ the spec (oracle)
+
+
+def _numel(size) -> int:
+    return math.prod(int(d) for d in size)
+
+
+def _int64(buffer: bytes, offset: int) -> Optional[int]:
+    if len(buffer) < offset + 8:
+        return None
+    return int.from_bytes(buffer[offset:offset + 8], "little", signed=True)
+
+
+def spec_well_formed(message) -> bool:
+    """Whether a whole tensor message is well-formed by hivemind's wire format (written independently of the
+    checks under test, from the layouts: see lightning_swarm/wire_checks.py's docstring)."""
+    from hivemind.proto import runtime_pb2
+
+    names = dict(runtime_pb2.CompressionType.items())
+    kind = next((name for name, value in names.items() if value == message.compression), None)
+    dtype, size, buffer = message.dtype, list(message.size), message.buffer
+    if kind is None or dtype not in _DTYPE_BYTES or len(size) > 16:
+        return False
+    if message.requires_grad and dtype not in _FLOATS:
+        return False
+    n = _numel(size)
+    if kind == "NONE":
+        return len(buffer) == n * _DTYPE_BYTES[dtype] or (dtype == "bfloat16" and n > 0 and len(buffer) == 4 * n)
+    if kind == "FLOAT16":
+        return dtype in _NUMPY_FLOATS and len(buffer) == 2 * n
+    if kind == "MEANSTD_16BIT":
+        return dtype in _NUMPY_FLOATS and size and n > 0 and len(buffer) == 2 * n + 8 * (n // size[-1])
+    if dtype not in _FLOATS:
+        return False
+    if kind in ("UNIFORM_8BIT", "QUANTILE_8BIT"):
+        codes = _int64(buffer, 0)
+        if codes is None or not 1 <= codes <= 256 or len(buffer) != 8 + 4 * codes + n:
+            return False
+        return n == 0 or max(buffer[8 + 4 * codes:]) < codes
+    absmax, codes = _int64(buffer, 0), _int64(buffer, 8)  # BLOCKWISE_8BIT
+    return absmax == -(-n // 4096) and codes == 256 and len(buffer) == 16 + 4 * (absmax + 256) + n
+
+
+def spec_fits(message, shape, dtype_name: str) -> bool:
+    """Whether a well-formed message may fill a local tensor of this shape and dtype (same shape; same dtype, or
+    both floating point and the message's no wider than max(local, float32))."""
+    if tuple(message.size) != tuple(shape):
+        return False
+    if message.dtype == dtype_name:
+        return True
+    return (message.dtype in _FLOATS and dtype_name in _FLOATS
+            and _DTYPE_BYTES[message.dtype] <= max(_DTYPE_BYTES[dtype_name], 4))
+
+
+# ------------------------------------------------------------------------------------------------ mutations
+
+
+def _mutate_tensor(message, rng: random.Random):
+    """A mutated copy of a tensor message (one to three mutations) and what was done."""
+    from hivemind.proto import runtime_pb2
+
+    mutated = runtime_pb2.Tensor()
+    mutated.CopyFrom(message)
+    done = []
+    for _ in range(rng.choice((1, 1, 1, 2, 3))):
+        kind = rng.randrange(10)
+        buffer = bytearray(mutated.buffer)
+        if kind == 0 and buffer:
+            cut = rng.randrange(len(buffer))
+            mutated.buffer = bytes(buffer[:cut])
+            done.append(f"truncate to {cut}")
+        elif kind == 1:
+            extra = rng.choice((1, 2, 4, 7, 64, 4096, 2**20 if rng.random() < 0.02 else 8))
+            mutated.buffer = bytes(buffer) + bytes(rng.getrandbits(8) for _ in range(min(extra, 64))) * (
+                max(1, extra // 64))
+            done.append(f"extend by ~{extra}")
+        elif kind == 2:
+            offset = rng.choice((0, 8))
+            value = rng.choice((0, -1, 1, 2, 255, 256, 257, 2**31, 2**62, -2**63, 2**63 - 1, rng.getrandbits(63)))
+            if len(buffer) >= offset + 8:
+                buffer[offset:offset + 8] = value.to_bytes(8, "little", signed=True)
+                mutated.buffer = bytes(buffer)
+                done.append(f"int64 at {offset} = {value}")
+        elif kind == 3:
+            size = list(mutated.size)
+            choice = rng.randrange(6)
+            if choice == 0:
+                size = []
+            elif choice == 1 and size:
+                size[rng.randrange(len(size))] = rng.choice((0, 1, 2**32 - 1, 2**31, size[0] + 1, max(0, size[0] - 1)))
+            elif choice == 2:
+                size = size + [1]
+            elif choice == 3:
+                size = size[:-1]
+            elif choice == 4:
+                size = [rng.randrange(2**32) for _ in range(rng.randrange(1, 4))]
+            else:
+                size = [1] * rng.choice((17, 40))
+            size = [dim % 2**32 for dim in size]  # the field holds uint32
+            del mutated.size[:]
+            mutated.size.extend(size)
+            done.append(f"size {size[:6]}")
+        elif kind == 4:
+            mutated.dtype = rng.choice(tuple(_DTYPE_BYTES) + _ODD_DTYPES)
+            done.append(f"dtype {mutated.dtype[:20]!r}")
+        elif kind == 5:
+            mutated.compression = rng.choice(list(dict(runtime_pb2.CompressionType.items()).values()) + [6, 99])
+            done.append(f"compression {mutated.compression}")
+        elif kind == 6 and buffer:
+            for _ in range(rng.choice((1, 3, 16))):
+                buffer[rng.randrange(len(buffer))] = rng.getrandbits(8)
+            mutated.buffer = bytes(buffer)
+            done.append("bytes flipped")
+        elif kind == 7:
+            length = rng.randrange(0, 2 * len(buffer) + 32)
+            mutated.buffer = rng.getrandbits(8 * length).to_bytes(length, "little") if length else b""
+            done.append(f"random {length} bytes")
+        elif kind == 8:
+            mutated.requires_grad = not mutated.requires_grad
+            done.append("requires_grad toggled")
+        else:
+            header_end = min(len(buffer), 16)
+            if header_end:
+                buffer[rng.randrange(header_end)] = rng.getrandbits(8)
+                mutated.buffer = bytes(buffer)
+                done.append("header byte flipped")
+    return mutated, "; ".join(done) or "unchanged"
+
+
+def _honest_tensor_messages(kind: str) -> list:
+    import torch
+    from hivemind.compression import serialize_torch_tensor
+    from hivemind.proto import runtime_pb2
+
+    generator = torch.Generator().manual_seed(0)
+    samples = {
+        "NONE": [torch.randn(1000, generator=generator), torch.randn(3, 5, generator=generator),
+                 torch.randn(7, generator=generator).bfloat16(), torch.arange(5), torch.tensor([True, False, True]),
+                 torch.arange(10, dtype=torch.uint8), torch.randn(8, generator=generator).half(), torch.empty(0)],
+        "FLOAT16": [torch.randn(1000, generator=generator), torch.randn(9, generator=generator).double(),
+                    torch.randn(2, 3, generator=generator)],
+        "MEANSTD_16BIT": [torch.randn(4, 50, generator=generator), torch.randn(100, generator=generator)],
+        "UNIFORM_8BIT": [torch.randn(3000, generator=generator), torch.randn(17, generator=generator)],
+        "QUANTILE_8BIT": [torch.randn(3000, generator=generator)],
+        "BLOCKWISE_8BIT": [torch.randn(5000, generator=generator), torch.randn(4096, generator=generator),
+                           torch.randn(3, 700, generator=generator).bfloat16()],
+    }[kind]
+    return [serialize_torch_tensor(tensor, getattr(runtime_pb2, kind)) for tensor in samples]
+
+
+# ------------------------------------------------------------------------------------------------ targets
+
+
+class Outcome:
+    """Counts of one target's run; ``violations`` describes the first few messages the oracle disagrees with."""
+
+    def __init__(self, target: str):
+        self.target, self.messages, self.refused, self.decoded, self.errors = target, 0, 0, 0, 0
+        self.violations: List[str] = []
+        self.slowest = 0.0
+
+    def violation(self, text: str) -> None:
+        if len(self.violations) < 10:
+            self.violations.append(text)
+
+    def as_dict(self) -> dict:
+        return dict(target=self.target, messages=self.messages, refused=self.refused, decoded=self.decoded,
+                    other_errors=self.errors, violations=self.violations, slowest_seconds=round(self.slowest, 4))
+
+
+def fuzz_codec(kind: str, rng: random.Random, count: int) -> Outcome:
+    """Mutated messages of one compression type through hivemind's decoder registry."""
+    from hivemind.compression import deserialize_torch_tensor
+    from hivemind.proto import runtime_pb2
+
+    from lightning_swarm.compression import register_fixed_codecs
+    from lightning_swarm.wire_checks import MalformedTensor
+
+    register_fixed_codecs()
+    outcome, corpus = Outcome(kind), _honest_tensor_messages(kind)
+    for index in range(count):
+        base = corpus[index % len(corpus)]
+        message, what = (base, "honest") if index < len(corpus) else _mutate_tensor(base, rng)
+        expected = spec_well_formed(message)
+        start = time.perf_counter()
+        try:
+            tensor = deserialize_torch_tensor(message)
+        except MalformedTensor:
+            tensor = None
+            outcome.refused += 1
+        except Exception as e:
+            tensor = None
+            if isinstance(e, ValueError) and message.compression not in runtime_pb2.CompressionType.values():
+                outcome.refused += 1  # an unknown type: hivemind's registry has no decoder for it ("no name defined")
+            else:  # refused, but not by the checks: a path they miss
+                outcome.errors += 1
+                outcome.violation(f"{what}: {type(e).__name__}: {str(e)[:120]}")
+        outcome.slowest = max(outcome.slowest, time.perf_counter() - start)
+        outcome.messages += 1
+        if tensor is not None:
+            outcome.decoded += 1
+            if not expected:
+                outcome.violation(f"{what}: a malformed message decoded to {list(tensor.shape)} {tensor.dtype}")
+            elif list(tensor.shape) != list(message.size) or str(tensor.dtype) != f"torch.{message.dtype}":
+                outcome.violation(f"{what}: decoded {list(tensor.shape)} {tensor.dtype}, announced "
+                                  f"{list(message.size)} {message.dtype}")
+            elif tensor.numel() > max(len(message.buffer), 0):
+                outcome.violation(f"{what}: {tensor.numel()} values from {len(message.buffer)} bytes")
+        elif expected and outcome.errors == 0:
+            outcome.violation(f"{what}: a well-formed message was refused")
+    return outcome
+
+
+def fuzz_reducer_parts(rng: random.Random, count: int) -> Outcome:
+    """Mutated parts (a sender's) and results (a reducer's) through the all-reduce's check, then hivemind's
+    decoding, against a local float32 part of 1000 values."""
+    import torch
+    from hivemind.compression import deserialize_torch_tensor
+    from hivemind.proto import averaging_pb2
+    from hivemind.utils.asyncio import as_aiter
+
+    from lightning_swarm.compression import register_fixed_codecs
+    from lightning_swarm.hivemind_ext.part_checks import PartRefused, checked_part_messages
+
+    register_fixed_codecs()
+    local = [(torch.Size([1000]), torch.float32)]
+    corpus = [m for kind in ("NONE", "FLOAT16", "BLOCKWISE_8BIT", "UNIFORM_8BIT") for m in _honest_tensor_messages(kind)
+              if list(m.size) == [1000] or kind in ("BLOCKWISE_8BIT", "UNIFORM_8BIT")]
+    outcome = Outcome("reducer_parts")
+
+    async def one(message, code) -> Optional[torch.Tensor]:
+        stream = as_aiter(averaging_pb2.AveragingData(code=code, tensor_part=message, weight=1.0))
+        received = [m async for m in checked_part_messages(stream, local, (code,), lambda reason: None)]
+        return deserialize_torch_tensor(received[0].tensor_part)
+
+    async def run():
+        for index in range(count):
+            base = corpus[index % len(corpus)]
+            message, what = _mutate_tensor(base, rng) if index >= len(corpus) else (base, "honest")
+            expected = spec_well_formed(message) and spec_fits(message, [1000], "float32")
+            code = rng.choice((averaging_pb2.PART_FOR_AVERAGING, averaging_pb2.NO_CODE, averaging_pb2.AVERAGED_PART))
+            start = time.perf_counter()
+            try:
+                tensor = await one(message, code)
+            except PartRefused:
+                tensor = None
+                outcome.refused += 1
+            except Exception as e:
+                tensor = None
+                outcome.errors += 1
+                outcome.violation(f"{what}: {type(e).__name__}: {str(e)[:120]}")
+            outcome.slowest = max(outcome.slowest, time.perf_counter() - start)
+            outcome.messages += 1
+            if tensor is not None:
+                outcome.decoded += 1
+                if not expected or tensor.shape != torch.Size([1000]) or tensor.element_size() > 4:
+                    outcome.violation(f"{what}: accepted as {list(tensor.shape)} {tensor.dtype}")
+            elif expected:
+                outcome.violation(f"{what}: a part that fits was refused")
+
+    asyncio.run(run())
+    return outcome
+
+
+def fuzz_state_download(rng: random.Random, count: int) -> Outcome:
+    """Mutated state streams (parts dropped, repeated, added; headers and buffers mutated) through the assembly."""
+    import torch
+    from hivemind.compression import serialize_torch_tensor
+    from hivemind.proto import runtime_pb2
+    from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+
+    from lightning_swarm.compression import register_fixed_codecs
+    from lightning_swarm.hivemind_ext.state_download import StateDownloadError, _TensorAssembler
+    from lightning_swarm.wire_checks import max_buffer_length
+
+    register_fixed_codecs()
+    generator = torch.Generator().manual_seed(1)
+    state = [torch.randn(300, generator=generator), torch.randn(4, 5, generator=generator), torch.arange(3)]
+    shapes, dtypes = [t.shape for t in state], [t.dtype for t in state]
+    outcome = Outcome("state_download")
+    kinds = ("NONE", "FLOAT16", "BLOCKWISE_8BIT")
+    honest = {kind: [serialize_torch_tensor(t, getattr(runtime_pb2, kind if t.is_floating_point() else "NONE"))
+                     for t in state] for kind in kinds}
+    budget = max(max_buffer_length(k, s, "float64") for k in CODEC_TARGETS for s in shapes)
+
+    for index in range(count):
+        kind = kinds[index % len(kinds)]
+        messages = list(honest[kind])
+        what = "honest"
+        if index >= len(kinds):
+            choice = rng.randrange(5)
+            target = rng.randrange(len(messages))
+            if choice == 0:  # one whole tensor mutated (header and/or buffer), re-streamed
+                messages[target], what = _mutate_tensor(messages[target], rng)
+            elif choice == 1:
+                messages.append(messages[rng.randrange(len(messages))])
+                what = "an extra tensor"
+            elif choice == 2:
+                del messages[target]
+                what = f"tensor {target} left out"
+        streams = [list(split_for_streaming(m, chunk_size_bytes=max(rng.choice((64, 256, 4096)), len(m.buffer) // 64)))
+                   for m in messages]
+        parts = [part for stream in streams for part in stream]
+        if index >= len(kinds) and what == "honest" and parts:
+            where = rng.randrange(len(parts))
+            if rng.random() < 0.5:
+                del parts[where]
+                what = f"part {where} dropped"
+            else:
+                parts.insert(where, parts[where])
+                what = f"part {where} repeated"
+        # the oracle: as many tensors as the local state, each whole, well-formed and fitting its local tensor
+        expected = not what.startswith("part ") and len(streams) == len(state)
+        if expected:
+            expected = all(stream and stream[0].chunks == len(stream) and spec_well_formed(whole)
+                           and spec_fits(whole, shape, str(dtype).replace("torch.", ""))
+                           for stream, whole, shape, dtype in zip(streams, map(combine_from_streaming, streams),
+                                                                  shapes, dtypes))
+        assembler = _TensorAssembler(shapes, dtypes)
+        peak = 0
+        start = time.perf_counter()
+        try:
+            for part in parts:
+                assembler.add(part)
+                peak = max(peak, len(assembler._buffer))
+            received = assembler.close()
+            if len(received) != len(state):
+                raise StateDownloadError("fewer tensors")  # what _download_from checks after close()
+        except StateDownloadError:
+            received = None
+            outcome.refused += 1
+        except Exception as e:
+            received = None
+            outcome.errors += 1
+            outcome.violation(f"{what}: {type(e).__name__}: {str(e)[:120]}")
+        outcome.slowest = max(outcome.slowest, time.perf_counter() - start)
+        outcome.messages += 1
+        if peak > budget:
+            outcome.violation(f"{what}: buffered {peak} bytes, the local state takes at most {budget}")
+        if received is not None:
+            outcome.decoded += 1
+            if not expected or any(r.shape != s or r.element_size() > max(d.itemsize, 4)
+                                   for r, s, d in zip(received, shapes, dtypes)):
+                outcome.violation(f"{what}: accepted {[list(r.shape) for r in received]}")
+        elif expected:
+            outcome.violation(f"{what}: a well-formed state was refused")
+    return outcome
+
+
+def fuzz_progress_records(rng: random.Random, count: int) -> Outcome:
+    """Mutated progress records through the check every reader of the progress key applies."""
+    from hivemind.optim.progress_tracker import LocalTrainingProgress
+    from hivemind.utils import get_dht_time
+
+    from lightning_swarm.hivemind_ext.progress_records import check_progress_record
+
+    outcome = Outcome("progress_records")
+    odd = (None, True, False, -1, 0, 1, 2**53, 2**64, -2**63, 1.5, -0.0, float("nan"), float("inf"), -float("inf"),
+           1e308, "3", b"\x00" * 200, [1], {"a": 1}, "", 10**30)
+    for index in range(count):
+        now = get_dht_time()
+        value = dict(peer_id=b"\x00\x02ab", epoch=rng.randrange(1000), samples_accumulated=rng.randrange(10**6),
+                     samples_per_second=rng.random() * 1000, time=now - rng.random() * 1000,
+                     client_mode=rng.random() < 0.5)
+        done = []
+        if index >= 10:
+            for _ in range(rng.choice((1, 2))):
+                key = rng.choice(tuple(value) + ("extra",))
+                if rng.random() < 0.1:
+                    value.pop(key, None)
+                    done.append(f"{key} removed")
+                else:
+                    value[key] = rng.choice(odd)
+                    done.append(f"{key}={value[key]!r:.30}")
+            if rng.random() < 0.05:
+                value = rng.choice(odd)
+                done = [f"record {value!r:.30}"]
+        what = "; ".join(done) or "honest"
+        expected = _spec_progress(value, now)
+        start = time.perf_counter()
+        try:
+            record = check_progress_record(value, now)
+        except ValueError:
+            record = None
+            outcome.refused += 1
+        except Exception as e:
+            record = None
+            outcome.errors += 1
+            outcome.violation(f"{what}: {type(e).__name__}: {str(e)[:120]}")
+        outcome.slowest = max(outcome.slowest, time.perf_counter() - start)
+        outcome.messages += 1
+        if record is not None:
+            outcome.decoded += 1
+            if not expected or not isinstance(record, LocalTrainingProgress):
+                outcome.violation(f"{what}: accepted")
+        elif expected:
+            outcome.violation(f"{what}: a well-formed record was refused")
+    return outcome
+
+
+def _spec_progress(value, now: float) -> bool:
+    if not isinstance(value, dict):
+        return False
+    try:
+        peer_id, epoch, samples = value["peer_id"], value["epoch"], value["samples_accumulated"]
+        rate, when, client = value["samples_per_second"], value["time"], value["client_mode"]
+    except KeyError:
+        return False
+    counts_ok = all(type(x) is int and 0 <= x < 2**53 for x in (epoch, samples))
+    rate_ok = type(rate) is float and math.isfinite(rate) and 0 <= rate <= 1e7
+    time_ok = type(when) is float and math.isfinite(when) and 0 <= when <= now + 60
+    return (type(peer_id) is bytes and len(peer_id) <= 128 and counts_ok and rate_ok and time_ok
+            and type(client) is bool)
+
+
+FUZZERS: Dict[str, Callable[[random.Random, int], Outcome]] = {
+    **{kind: (lambda kind: lambda rng, count: fuzz_codec(kind, rng, count))(kind) for kind in CODEC_TARGETS},
+    "reducer_parts": fuzz_reducer_parts,
+    "state_download": fuzz_state_download,
+    "progress_records": fuzz_progress_records,
+}
+
+
+# ------------------------------------------------------------------------------------------------ the child process
+
+
+def run_fuzzers(targets, seed: int, count: int, timeout: float) -> Tuple[Dict[str, dict], int, str]:
+    """Run the targets in one child process; returns (outcome by target, the child's return code: negative is a
+    signal death, stderr's tail). A target missing from the outcomes was running when the child died."""
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    process = subprocess.run([sys.executable, __file__, "--seed", str(seed), "--count", str(count), *targets],
+                             capture_output=True, text=True, timeout=timeout, env=env)
+    outcomes, started = {}, None
+    for line in process.stdout.splitlines():
+        if line.startswith("START "):
+            started = line.split()[1]
+        elif line.startswith("{"):
+            outcome = json.loads(line)
+            outcomes[outcome["target"]] = outcome
+    tail = process.stderr[-3000:] + (f"\n(the child was running {started})" if started not in outcomes else "")
+    return outcomes, process.returncode, tail
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("targets", nargs="*", default=list(TARGETS), help=f"of {', '.join(TARGETS)} (default: all)")
+    parser.add_argument("--seed", type=int, default=0, help="the mutations' random seed")
+    parser.add_argument("--count", type=int, default=1000, help="messages per target")
+    args = parser.parse_args(argv)
+    for target in args.targets:
+        print(f"START {target}", flush=True)
+        start = time.perf_counter()
+        outcome = FUZZERS[target](random.Random(f"{args.seed}-{target}"), args.count).as_dict()
+        outcome["seconds"] = round(time.perf_counter() - start, 2)
+        print(json.dumps(outcome), flush=True)
+
+
+if __name__ == "__main__":
+    main()
