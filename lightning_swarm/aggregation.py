@@ -152,7 +152,8 @@ def aligned_centered_clip(
     Lowering an honest sender's weight (its part was noisy) raises everyone else's share, an attacker's too: so
     whenever weights were lowered, the second CenteredClip keeps the clipping radius of the vote (``tau`` if given),
     the scale of the honest distances, and a sender far away still moves the result by at most that radius.
-    With 2 senders alignment can't tell who lies (their alignments add up to 2): only ``prior`` counts.
+    With 2 senders alignment can't tell who lies (their alignments add up to 2): ``prior`` weighs them, and each
+    part is clipped to the smaller norm of the two (:func:`_two_sender_clip`), so that a loud one can't decide.
 
     Args:
         parts, weights, tau, iters: as :func:`centered_clip`.
@@ -161,8 +162,8 @@ def aligned_centered_clip(
             weight at all.
 
     Returns (the result, each sender's alignment factor this round: 1.0 for a sender kept at full weight, each
-    sender's clip scale in the vote: ``min(1, radius / |x_i - u|)``, 1.0 for a sender within the radius; both 1.0
-    without the screen or with fewer than 3 senders).
+    sender's clip scale in the vote: ``min(1, radius / |x_i - u|)``, 1.0 for a sender within the radius (with 2 senders: its
+    scale in :func:`_two_sender_clip`); both 1.0 without the screen or with 1 sender).
     """
     if len(parts) == 1:
         return parts[0].to(torch.float32).clone(), [1.0], [1.0]
@@ -173,6 +174,8 @@ def aligned_centered_clip(
     # peer must not buy a majority with its sample count
     w = torch.minimum(w, w.median())
     w = (w / w.sum()).numpy()
+    if n == 2 and min_alignment is not None:
+        return _two_sender_clip(rows, w, prior, parts[0].shape)
     # The estimate stays its start plus a combination of the senders' differences from it, v = start + D a with
     # D = (x_1 - start, ..., x_n - start): each step adds sum_i c_i (x_i - v) = D (sum_i c_i (e_i - a)). So the
     # iterations run on the n coefficients a and the n x n Gram matrix of D, and the part is built once at the end:
@@ -214,6 +217,25 @@ def aligned_centered_clip(
                  out=estimate.view(1, size))
     estimate += start
     return estimate.reshape(parts[0].shape), factors.tolist(), scales.tolist()
+
+
+def _two_sender_clip(rows: Sequence[torch.Tensor], w: np.ndarray, prior: Optional[Sequence[float]],
+                     shape: torch.Size) -> tuple[torch.Tensor, List[float], List[float]]:
+    """Two senders (see :func:`aligned_centered_clip`): nothing in one round tells which of them lies, and their
+    CenteredClip is their mean, which a loud sender (x1e3, or -1e3: gradient ascent) decides. So each part is clipped
+    to the smaller L2 norm of the two (among the senders ``prior`` leaves weight), then weighted by ``w`` times
+    ``prior``: whatever one of them sends, the result goes along the other's part (its component along it is at
+    least 0) and is no longer than it. Returns (result, [1.0, 1.0], each sender's clip scale)."""
+    scaled = w
+    if prior is not None and (w * np.asarray(prior, dtype=np.float64)).sum() > 0:
+        scaled = w * np.asarray(prior, dtype=np.float64)
+    norms = np.array([math.sqrt(max(float(torch.dot(row, row)), 0.0)) for row in rows])
+    reference = float(norms[scaled > 0].min())
+    scales = np.minimum(1.0, reference / np.maximum(norms, 1e-30))
+    coefficients = scaled * scales / scaled.sum()
+    estimate = torch.mul(rows[0], float(coefficients[0]))
+    estimate.add_(rows[1], alpha=float(coefficients[1]))
+    return estimate.reshape(shape), [1.0, 1.0], scales.tolist()
 
 
 def _clip_coefficients(w: np.ndarray, gram: np.ndarray, start_products: np.ndarray, start_norm2: float,
@@ -325,6 +347,10 @@ class SenderTrust:
         """The sender's trust in [0, 1] (1.0 for a sender never judged)."""
         total, count = self._sums.get(sender, (0.0, 0.0))
         return total / count if count > 0 else 1.0
+
+    def record(self, sender: Hashable) -> Optional[float]:
+        """The sender's trust, or None if it was never judged."""
+        return self.trust(sender) if sender in self._sums else None
 
     def update(self, judged: Dict[Hashable, Tuple[float, float]]) -> None:
         """Add one round: each judged sender's (record in [0, 1], evidence in [0, 1]: its weight relative to the
