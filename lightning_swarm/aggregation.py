@@ -224,13 +224,15 @@ def _two_sender_clip(rows: Sequence[torch.Tensor], w: np.ndarray, prior: Optiona
     """Two senders (see :func:`aligned_centered_clip`): nothing in one round tells which of them lies, and their
     CenteredClip is their mean, which a loud sender (x1e3, or -1e3: gradient ascent) decides. So each part is clipped
     to the smaller L2 norm of the two (among the senders ``prior`` leaves weight), then weighted by ``w`` times
-    ``prior``: whatever one of them sends, the result goes along the other's part (its component along it is at
-    least 0) and is no longer than it. Returns (result, [1.0, 1.0], each sender's clip scale)."""
+    ``prior`` (the reference norm is the smaller of those whose weight is at least half the larger's): whatever one
+    of them sends, the result goes along the other's part (its component along it is at least 0) and is no longer
+    than it. Returns (result, [1.0, 1.0], each sender's clip scale)."""
     scaled = w
     if prior is not None and (w * np.asarray(prior, dtype=np.float64)).sum() > 0:
         scaled = w * np.asarray(prior, dtype=np.float64)
     norms = np.array([math.sqrt(max(float(torch.dot(row, row)), 0.0)) for row in rows])
-    reference = float(norms[scaled > 0].min())
+    # the reference is a sender of (about) full weight: one its record almost silenced must not shrink the other
+    reference = float(norms[scaled >= 0.5 * scaled.max()].min())
     scales = np.minimum(1.0, reference / np.maximum(norms, 1e-30))
     coefficients = scaled * scales / scaled.sum()
     estimate = torch.mul(rows[0], float(coefficients[0]))
@@ -349,12 +351,13 @@ class SenderTrust:
         return total / count if count > 0 else 1.0
 
     def record(self, sender: Hashable) -> Optional[float]:
-        """The sender's trust, or None if it was never judged."""
+        """The sender's trust, or None if it was never seen (judged, or updated with evidence 0: seen in a round
+        that could not judge it)."""
         return self.trust(sender) if sender in self._sums else None
 
     def update(self, judged: Dict[Hashable, Tuple[float, float]]) -> None:
         """Add one round: each judged sender's (record in [0, 1], evidence in [0, 1]: its weight relative to the
-        median sender's, at most 1)."""
+        median sender's, at most 1; 0: seen, but not judged)."""
         for sender, (factor, evidence) in judged.items():
             total, count = self._sums.get(sender, (0.0, 0.0))
             self._sums[sender] = [self.decay * total + float(evidence) * float(factor),

@@ -86,17 +86,18 @@ def screen_and_aggregate(parts: Sequence[Optional[torch.Tensor]], weights: Seque
     :func:`lightning_swarm.aggregation.aligned_centered_clip`; its evidence, its weight relative to the median accepted
     weight, at most 1); empty without ``min_alignment``, or with fewer than 3 accepted senders, where neither can tell
     who lies. ``trust``: each sender's weight factor from its past rounds (with ``min_alignment``; None: a sender
-    never judged, factor 1). With the screen, a part that only one sender entered is refused unless that sender was
-    judged and kept a trust of at least ``LONE_SENDER_MIN_TRUST``: nothing else can check it, and one loud gradient
-    (-1e3 x) left in an adaptive optimizer's statistics spoils hundreds of steps."""
+    never seen, factor 1). With the screen, a part that only one sender entered is refused unless that sender was
+    seen in earlier rounds of 2 or more senders with a trust of at least ``LONE_SENDER_MIN_TRUST``: nothing else
+    can check it, and one loud gradient (-1e3 x) left in an adaptive optimizer's statistics spoils hundreds of
+    steps."""
     accepted, accepted_weights, refusals = screen_contributions(parts, weights, max_weights)
     if not accepted:
         return None, refusals, {}
     if min_alignment is not None and aggregation == "centered_clip" and len(accepted) == 1:
         record = None if trust is None else trust[accepted[0]]
         if record is None or record < LONE_SENDER_MIN_TRUST:
-            refusals.append(Refusal(accepted[0], f"the only sender of a part, without a record of "
-                                                 f"{LONE_SENDER_MIN_TRUST:g} or more from past rounds"))
+            refusals.append(Refusal(accepted[0], f"the only sender of a part, not seen before in this run or with a "
+                                                 f"record below {LONE_SENDER_MIN_TRUST:g} from past rounds"))
             return None, refusals, {}
     result, judged = aggregate_parts(
         [parts[i] for i in accepted], accepted_weights, aggregation, tau, iters, min_alignment,
@@ -104,13 +105,18 @@ def screen_and_aggregate(parts: Sequence[Optional[torch.Tensor]], weights: Seque
     if judged is None or len(accepted) < 2:
         return result, refusals, {}
     if len(accepted) == 2:
-        # the louder of 2 senders, if more than LOUD_RATIO times as long as the other, is recorded: a x1e3 part
-        # (or -1e3 x, gradient ascent) is remembered from its first round, even in a swarm that never has 3 senders
-        records = {sender: (min(1.0, LOUD_RATIO * scale), 1.0) for sender, (_, scale) in zip(accepted, judged)}
-        for sender, (record, _) in records.items():
-            if record < 1.0:
+        # Of 2 senders, one more than LOUD_RATIO times as long as the other is recorded as an outlier: a x1e3 part
+        # (or -1e3 x, gradient ascent) is remembered from its first round, even in a swarm that never has 3 senders.
+        # Nothing else is judged (a quiet liar looks like an honest peer here): the other is only marked as seen
+        # (evidence 0), so that it may later send a part alone
+        records = {}
+        for sender, (_, scale) in zip(accepted, judged):
+            if LOUD_RATIO * scale < 1.0:
+                records[sender] = (LOUD_RATIO * scale, 1.0)
                 refusals.append(Refusal(sender, f"its part is more than {LOUD_RATIO:g} times as long as the other "
                                                 "sender's"))
+            else:
+                records[sender] = (1.0, 0.0)
         return result, refusals, records
     for sender, (factor, _) in zip(accepted, judged):
         if factor < 1.0:

@@ -88,18 +88,18 @@ def test_a_loud_or_negated_second_sender_never_turns_the_step_back(scale):
 
 def test_reducer_refuses_a_lone_sender_without_a_record_and_records_a_loud_one(caplog):
     _, (honest, other) = noisy_gradients(2, noise=0.5, size=500)
-    # a lone sender never judged: refused (every sender keeps its own values); one with a good record: believed
+    # a lone sender never seen: refused (every sender keeps its own values); one with a good record: believed
     for record, believed in [(None, False), (0.2, False), (0.9, True)]:
         results = run_reducer([[-1e3 * honest], [torch.zeros(500)]], [16.0, 0.0], caplog,
                               aggregation="centered_clip", min_alignment=0.5, trust=[record, None])
         assert torch.equal(results[1][0], -1e3 * honest if believed else torch.zeros(500)), record
-    assert "the only sender of a part, without a record of 0.5 or more" in caplog.text
-    # of 2 senders, one 1e3 times as long as the other is recorded as an outlier, the other as trustworthy
+    assert "the only sender of a part, not seen before in this run or with a record below 0.5" in caplog.text
+    # of 2 senders, one 1e3 times as long as the other is recorded as an outlier
     reported = []
     run_reducer([[honest], [-1e3 * other]], [16.0, 16.0], caplog, aggregation="centered_clip", min_alignment=0.5,
                 trust=[None, None], on_alignment=reported.append)
     (record,) = reported
-    assert record[0] == (1.0, 1.0) and record[1][0] < 0.02
+    assert record[0] == (1.0, 0.0) and record[1][0] < 0.02  # the other: seen (evidence 0), not judged
     assert "peer1: its part is more than 10 times as long as the other sender's" in caplog.text
 
 
@@ -172,3 +172,15 @@ def test_a_far_sender_remembered_from_3_sender_rounds_loses_the_2_sender_round()
                                              prior=[trust.trust(0), trust.trust(2)])
     assert (plain - honest).norm() < honest.norm()  # 2 senders: clipped to the honest part's norm (not the mean)
     assert (remembered - honest).norm() < 0.1 * honest.norm()
+
+
+def test_the_public_swarm_recipe_ships_with_centered_clip_and_the_alignment_screen():
+    # issue 24, finding 9: with "mean", one x1e3 peer made a swarm diverge (docs/security.md)
+    import yaml
+    from pathlib import Path
+
+    config = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "dalle_1b.yaml").read_text())
+    options = config["trainer"]["strategy"]["init_args"]
+    assert options["aggregation"] == "centered_clip" and options["centered_clip_min_alignment"] == 0.5
+    check_aggregation_options(options["aggregation"], options.get("centered_clip_tau"),
+                              options.get("centered_clip_iters", 20), options["centered_clip_min_alignment"])
