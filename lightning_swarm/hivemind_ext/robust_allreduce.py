@@ -49,6 +49,7 @@ from lightning_swarm.aggregation import (
     screen_contributions,
 )
 from lightning_swarm.hivemind_ext.part_checks import CheckedPartStreams
+from lightning_swarm.small_rounds import lone_sender_refusal, two_sender_records
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +57,6 @@ log = logging.getLogger(__name__)
 _EXECUTOR: Tuple[int, Optional[ThreadPoolExecutor]] = (0, None)
 # a sender whose trust (SenderTrust) is below this is named in the log (honest peers' trust is often a little below 1)
 LOGGED_TRUST = 0.5
-# with the alignment screen, the only sender of a part is believed only with at least this trust from past rounds
-LONE_SENDER_MIN_TRUST = 0.5
-# with the alignment screen, of 2 senders, one whose part is more than this many times as long as the other's is
-# recorded as an outlier (honest parts of one round differ by their noise: a few times at most)
-LOUD_RATIO = 10.0
 
 
 def aggregation_executor() -> ThreadPoolExecutor:
@@ -84,40 +80,25 @@ def screen_and_aggregate(parts: Sequence[Optional[torch.Tensor]], weights: Seque
     the refusals (see :func:`lightning_swarm.aggregation.screen_contributions`), and each accepted sender's record
     for :class:`~lightning_swarm.aggregation.SenderTrust`: (its alignment factor times its clip scale, see
     :func:`lightning_swarm.aggregation.aligned_centered_clip`; its evidence, its weight relative to the median accepted
-    weight, at most 1); empty without ``min_alignment``, or with fewer than 3 accepted senders, where neither can tell
-    who lies. ``trust``: each sender's weight factor from its past rounds (with ``min_alignment``; None: a sender
+    weight, at most 1); empty without ``min_alignment`` or with 1 accepted sender; with 2, only a loud one is judged. ``trust``: each sender's weight factor from its past rounds (with ``min_alignment``; None: a sender
     never seen, factor 1). With the screen, a part that only one sender entered is refused unless that sender was
-    seen in earlier rounds of 2 or more senders with a trust of at least ``LONE_SENDER_MIN_TRUST``: nothing else
-    can check it, and one loud gradient (-1e3 x) left in an adaptive optimizer's statistics spoils hundreds of
-    steps."""
+    seen before (:func:`lightning_swarm.small_rounds.lone_sender_refusal`), and of 2 senders a loud one is recorded
+    (:func:`lightning_swarm.small_rounds.two_sender_records`)."""
     accepted, accepted_weights, refusals = screen_contributions(parts, weights, max_weights)
     if not accepted:
         return None, refusals, {}
     if min_alignment is not None and aggregation == "centered_clip" and len(accepted) == 1:
-        record = None if trust is None else trust[accepted[0]]
-        if record is None or record < LONE_SENDER_MIN_TRUST:
-            refusals.append(Refusal(accepted[0], f"the only sender of a part, not seen before in this run or with a "
-                                                 f"record below {LONE_SENDER_MIN_TRUST:g} from past rounds"))
-            return None, refusals, {}
+        refusal = lone_sender_refusal(accepted[0], None if trust is None else trust[accepted[0]])
+        if refusal is not None:
+            return None, refusals + [refusal], {}
     result, judged = aggregate_parts(
         [parts[i] for i in accepted], accepted_weights, aggregation, tau, iters, min_alignment,
         None if trust is None else [1.0 if trust[i] is None else trust[i] for i in accepted])
     if judged is None or len(accepted) < 2:
         return result, refusals, {}
     if len(accepted) == 2:
-        # Of 2 senders, one more than LOUD_RATIO times as long as the other is recorded as an outlier: a x1e3 part
-        # (or -1e3 x, gradient ascent) is remembered from its first round, even in a swarm that never has 3 senders.
-        # Nothing else is judged (a quiet liar looks like an honest peer here): the other is only marked as seen
-        # (evidence 0), so that it may later send a part alone
-        records = {}
-        for sender, (_, scale) in zip(accepted, judged):
-            if LOUD_RATIO * scale < 1.0:
-                records[sender] = (LOUD_RATIO * scale, 1.0)
-                refusals.append(Refusal(sender, f"its part is more than {LOUD_RATIO:g} times as long as the other "
-                                                "sender's"))
-            else:
-                records[sender] = (1.0, 0.0)
-        return result, refusals, records
+        records, loud = two_sender_records(accepted, [scale for _, scale in judged])
+        return result, refusals + loud, records
     for sender, (factor, _) in zip(accepted, judged):
         if factor < 1.0:
             refusals.append(Refusal(sender, f"weight lowered: its part goes along less than {min_alignment:g} of "
