@@ -25,8 +25,9 @@ def lone_sender_refusal(sender: int, record: Optional[float]) -> Optional[Refusa
     """With the alignment screen: whether the only sender of a part is refused (its Refusal), or None if believed.
     Nothing can check a lone part, and one loud gradient (-1e3 x) left in an adaptive optimizer's statistics spoils
     hundreds of steps: it is believed only from a sender seen in earlier rounds of 2 or more senders of this run with
-    a record (``record``: :meth:`SenderTrust.record`, None: never seen) of at least ``LONE_SENDER_MIN_TRUST``. Every
-    peer then keeps its own values for that part (one that tagged along: zeros)."""
+    a record (``record``: :meth:`SenderTrust.record`, None: never seen) of at least ``LONE_SENDER_MIN_TRUST``. The
+    part's result is then zeros for every sender, the lone one too (were it to keep its own part, the group's peers
+    would step apart)."""
     if record is not None and record >= LONE_SENDER_MIN_TRUST:
         return None
     return Refusal(sender, f"the only sender of a part, not seen before in this run or with a record below "

@@ -89,8 +89,8 @@ def screen_and_aggregate(parts: Sequence[Optional[torch.Tensor]], weights: Seque
         return None, refusals, {}
     if min_alignment is not None and aggregation == "centered_clip" and len(accepted) == 1:
         refusal = lone_sender_refusal(accepted[0], None if trust is None else trust[accepted[0]])
-        if refusal is not None:
-            return None, refusals + [refusal], {}
+        if refusal is not None:  # zeros for every sender (the lone one too): the group stays in step
+            return torch.zeros(parts[accepted[0]].shape, dtype=torch.float32), refusals + [refusal], {}
     result, judged = aggregate_parts(
         [parts[i] for i in accepted], accepted_weights, aggregation, tau, iters, min_alignment,
         None if trust is None else [1.0 if trust[i] is None else trust[i] for i in accepted])
