@@ -162,8 +162,8 @@ def aligned_centered_clip(
             weight at all.
 
     Returns (the result, each sender's alignment factor this round: 1.0 for a sender kept at full weight, each
-    sender's clip scale in the vote: ``min(1, radius / |x_i - u|)``, 1.0 for a sender within the radius (with 2 senders: its
-    scale in :func:`_two_sender_clip`); both 1.0 without the screen or with 1 sender).
+    sender's clip scale in the vote: ``min(1, radius / |x_i - u|)``, 1.0 for a sender within the radius (with 2
+    senders: its scale in :func:`_two_sender_clip`); both 1.0 without the screen or with 1 sender).
     """
     if len(parts) == 1:
         return parts[0].to(torch.float32).clone(), [1.0], [1.0]
@@ -359,6 +359,9 @@ class SenderTrust:
         """Add one round: each judged sender's (record in [0, 1], evidence in [0, 1]: its weight relative to the
         median sender's, at most 1; 0: seen, but not judged)."""
         for sender, (factor, evidence) in judged.items():
+            if not evidence > 0:  # seen, not judged: nothing to remember (nor to forget) but the sender itself
+                self._sums.setdefault(sender, [0.0, 0.0])
+                continue
             total, count = self._sums.get(sender, (0.0, 0.0))
             self._sums[sender] = [self.decay * total + float(evidence) * float(factor),
                                   self.decay * count + float(evidence)]

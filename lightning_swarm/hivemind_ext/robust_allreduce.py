@@ -80,9 +80,10 @@ def screen_and_aggregate(parts: Sequence[Optional[torch.Tensor]], weights: Seque
     the refusals (see :func:`lightning_swarm.aggregation.screen_contributions`), and each accepted sender's record
     for :class:`~lightning_swarm.aggregation.SenderTrust`: (its alignment factor times its clip scale, see
     :func:`lightning_swarm.aggregation.aligned_centered_clip`; its evidence, its weight relative to the median accepted
-    weight, at most 1); empty without ``min_alignment`` or with 1 accepted sender; with 2, only a loud one is judged. ``trust``: each sender's weight factor from its past rounds (with ``min_alignment``; None: a sender
-    never seen, factor 1). With the screen, a part that only one sender entered is refused unless that sender was
-    seen before (:func:`lightning_swarm.small_rounds.lone_sender_refusal`), and of 2 senders a loud one is recorded
+    weight, at most 1); empty without ``min_alignment`` or with 1 accepted sender; with 2, only a loud one is judged.
+    ``trust``: each sender's weight factor from its past rounds (with ``min_alignment``; None: a sender never seen,
+    factor 1). With the screen, a part that only one sender entered is refused unless that sender was seen before
+    (:func:`lightning_swarm.small_rounds.lone_sender_refusal`), and of 2 senders a loud one is recorded
     (:func:`lightning_swarm.small_rounds.two_sender_records`)."""
     accepted, accepted_weights, refusals = screen_contributions(parts, weights, max_weights)
     if not accepted:

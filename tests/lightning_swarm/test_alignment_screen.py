@@ -186,3 +186,14 @@ def test_the_public_swarm_recipe_ships_with_centered_clip_and_the_alignment_scre
     assert options["aggregation"] == "centered_clip" and options["centered_clip_min_alignment"] == 0.5
     check_aggregation_options(options["aggregation"], options.get("centered_clip_tau"),
                               options.get("centered_clip_iters", 20), options["centered_clip_min_alignment"])
+
+
+def test_a_sender_seen_in_a_round_of_2_is_known_and_keeps_its_record():
+    trust = SenderTrust()
+    assert trust.record("a") is None  # never seen: a lone part from it is refused
+    trust.update({"a": (1.0, 0.0)})  # seen in a round of 2, not judged
+    assert trust.record("a") == 1.0
+    trust.update({"b": (0.0, 1.0)})  # judged: an outlier
+    for _ in range(5000):  # seen again and again: neither forgotten nor forgiven
+        trust.update({"b": (1.0, 0.0)})
+    assert trust.record("b") == 0.0
