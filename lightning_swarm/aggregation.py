@@ -35,6 +35,9 @@ CENTERED_CLIP_TOLERANCE = 1e-4
 # aligned_centered_clip: a sender whose part goes along less than this fraction of the robust estimate loses weight
 # (the value measured in docs/security.md; HivemindStrategy's option is off by default)
 DEFAULT_MIN_ALIGNMENT = 0.5
+# aligned_centered_clip with 2 senders whose parts agree in direction: each part is clipped to this many times the
+# shorter one's norm (parts that disagree: to the shorter one's norm)
+TWO_SENDER_AGREEING_CLIP = 2.0
 # SenderTrust: a judged round weighs this much relative to the next one (~5 rounds of memory)
 TRUST_DECAY = 0.8
 
@@ -223,21 +226,26 @@ def _two_sender_clip(rows: Sequence[torch.Tensor], w: np.ndarray, prior: Optiona
                      shape: torch.Size) -> tuple[torch.Tensor, List[float], List[float]]:
     """Two senders (see :func:`aligned_centered_clip`): nothing in one round tells which of them lies, and their
     CenteredClip is their mean, which a loud sender (x1e3, or -1e3: gradient ascent) decides. So each part is clipped
-    to the smaller L2 norm of the two (among the senders ``prior`` leaves weight), then weighted by ``w`` times
-    ``prior`` (the reference norm is the smaller of those whose weight is at least half the larger's): whatever one
-    of them sends, the result goes along the other's part (its component along it is at least 0) and is no longer
-    than it. Returns (result, [1.0, 1.0], each sender's clip scale)."""
+    to the smaller L2 norm of the two (the reference: the smaller norm among the senders whose weight ``w`` times
+    ``prior`` is at least half the larger's), or to ``TWO_SENDER_AGREEING_CLIP`` times it if the two parts agree in
+    direction (inner product >= 0), then weighted by ``w`` times ``prior``. Whatever one of them sends, the result
+    goes along the other's part (its component along it is at least 0) and is at most 1.5 times as long as it.
+    Returns (result, [1.0, 1.0], each sender's ratio ``min(1, reference norm / its norm)``)."""
     scaled = w
     if prior is not None and (w * np.asarray(prior, dtype=np.float64)).sum() > 0:
         scaled = w * np.asarray(prior, dtype=np.float64)
     norms = np.array([math.sqrt(max(float(torch.dot(row, row)), 0.0)) for row in rows])
     # the reference is a sender of (about) full weight: one its record almost silenced must not shrink the other
     reference = float(norms[scaled >= 0.5 * scaled.max()].min())
-    scales = np.minimum(1.0, reference / np.maximum(norms, 1e-30))
+    ratios = np.minimum(1.0, reference / np.maximum(norms, 1e-30))
+    # parts that agree in direction (inner product >= 0) can't turn each other back: up to TWO_SENDER_AGREEING_CLIP
+    # times the reference only bounds how much longer the step gets (noisy honest parts differ in length)
+    agree = float(torch.dot(rows[0], rows[1])) >= 0.0
+    scales = np.minimum(1.0, ratios * TWO_SENDER_AGREEING_CLIP) if agree else ratios
     coefficients = scaled * scales / scaled.sum()
     estimate = torch.mul(rows[0], float(coefficients[0]))
     estimate.add_(rows[1], alpha=float(coefficients[1]))
-    return estimate.reshape(shape), [1.0, 1.0], scales.tolist()
+    return estimate.reshape(shape), [1.0, 1.0], ratios.tolist()
 
 
 def _clip_coefficients(w: np.ndarray, gram: np.ndarray, start_products: np.ndarray, start_norm2: float,

@@ -80,7 +80,8 @@ def test_a_loud_or_negated_second_sender_never_turns_the_step_back(scale):
     _, (honest, attacker) = noisy_gradients(2, noise=0.5)
     result, _, scales = aligned_centered_clip([honest, scale * attacker], [16.0, 16.0], min_alignment=0.5)
     assert float(result @ honest) >= -1e-6 * float(honest @ honest)  # never against the honest part
-    assert float(result.norm()) <= float(honest.norm()) * (1 + 1e-6)  # nor longer than it
+    # nor much longer than it: parts that agree in direction are clipped to twice the shorter one's norm
+    assert float(result.norm()) <= float(honest.norm()) * (1.5 + 1e-6)
     if abs(scale) == 1e3:
         assert scales[0] == 1.0 and scales[1] < 2e-3
         assert along(result, honest) > (0.45 if scale > 0 else -0.05)
