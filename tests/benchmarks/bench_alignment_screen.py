@@ -3,19 +3,22 @@ costs honest swarms, also with non-identical data: simulated in one process (fig
 
 The 3-peer swarm of tests/lightning_swarm/byzantine.py as in bench_worker_momentum.py (same model, data, learning
 rate, epoch of 24 batches of 16 split among the peers as they race, BENCH_SPLITS=even: 8 each), aggregated as the
-swarm does: the flat gradient cut into 3 slices, each reduced by one peer's reducer with the real
-:func:`lightning_swarm.aggregation.aligned_centered_clip` and its own :class:`~lightning_swarm.aggregation.SenderTrust`
-(weights: each peer's samples in the epoch, the attacker's lowered to its record). The third peer:
+swarm does: the flat gradient cut into 3 slices, each reduced by one peer's reducer with the swarm's own
+:func:`lightning_swarm.hivemind_ext.robust_allreduce.screen_and_aggregate` (the alignment screen, and the rules for
+rounds of 1 and 2 senders) and its own :class:`~lightning_swarm.aggregation.SenderTrust` (weights: each peer's samples
+in the epoch, the attacker's lowered to its record). The third peer:
 
 - ``none``: honest (the reference of each line);
 - ``neg``: sends its gradient negated (the swarm test's weight-1e9 attacker after screening);
 - ``c=0.5``: sends half its gradient: goes along just at the default screen, full weight (an adaptive attacker);
 - ``zero``: sends zeros with its full weight (a lazy or adaptive peer);
 - ``x1000``: sends its gradient x1e3 (goes along: it keeps its weight, and CenteredClip must bound it);
+- ``ascent``: sends its gradient x -1e3 (loud gradient ascent, issue 24's finding 0);
 - ``absent``: sends nothing (the best any defence can do: the honest pair alone).
 
-BENCH_HETERO=h gives each peer its own target ``y + h * x @ d_k`` (d_k random, one per peer: non-identical data);
-the validation target is then the mean of the 3 peers' targets (the honest swarm's objective).
+BENCH_BATCHES_PER_EPOCH=2 gives the epoch of the tiny recipe (32 samples: at most 2 peers compute in an epoch, so
+no round has 3 senders). BENCH_HETERO=h gives each peer its own target ``y + h * x @ d_k`` (d_k random, one per peer:
+non-identical data); the validation target is then the mean of the 3 peers' targets (the honest swarm's objective).
 Printed per optimizer, epoch count and screen (``off``: plain CenteredClip): the honest swarm's validation loss and
 its ratio to plain CenteredClip's (the screen's cost to honest swarms), and each attack's loss over the honest
 swarm's with the same screen (mean and max over BENCH_SEEDS data offsets and splits).
