@@ -35,6 +35,9 @@ CENTERED_CLIP_TOLERANCE = 1e-4
 # aligned_centered_clip: a sender whose part goes along less than this fraction of the robust estimate loses weight
 # (the value measured in docs/security.md; HivemindStrategy's option is off by default)
 DEFAULT_MIN_ALIGNMENT = 0.5
+# aligned_centered_clip with 2 senders whose parts agree in direction: each part is clipped to this many times the
+# shorter one's norm (parts that disagree: to the shorter one's norm)
+TWO_SENDER_AGREEING_CLIP = 2.0
 # SenderTrust: a judged round weighs this much relative to the next one (~5 rounds of memory)
 TRUST_DECAY = 0.8
 
@@ -152,7 +155,8 @@ def aligned_centered_clip(
     Lowering an honest sender's weight (its part was noisy) raises everyone else's share, an attacker's too: so
     whenever weights were lowered, the second CenteredClip keeps the clipping radius of the vote (``tau`` if given),
     the scale of the honest distances, and a sender far away still moves the result by at most that radius.
-    With 2 senders alignment can't tell who lies (their alignments add up to 2): only ``prior`` counts.
+    With 2 senders alignment can't tell who lies (their alignments add up to 2): ``prior`` weighs them, and each
+    part is clipped to the smaller norm of the two (:func:`_two_sender_clip`), so that a loud one can't decide.
 
     Args:
         parts, weights, tau, iters: as :func:`centered_clip`.
@@ -161,8 +165,8 @@ def aligned_centered_clip(
             weight at all.
 
     Returns (the result, each sender's alignment factor this round: 1.0 for a sender kept at full weight, each
-    sender's clip scale in the vote: ``min(1, radius / |x_i - u|)``, 1.0 for a sender within the radius; both 1.0
-    without the screen or with fewer than 3 senders).
+    sender's clip scale in the vote: ``min(1, radius / |x_i - u|)``, 1.0 for a sender within the radius (with 2
+    senders: its scale in :func:`_two_sender_clip`); both 1.0 without the screen or with 1 sender).
     """
     if len(parts) == 1:
         return parts[0].to(torch.float32).clone(), [1.0], [1.0]
@@ -173,6 +177,8 @@ def aligned_centered_clip(
     # peer must not buy a majority with its sample count
     w = torch.minimum(w, w.median())
     w = (w / w.sum()).numpy()
+    if n == 2 and min_alignment is not None:
+        return _two_sender_clip(rows, w, prior, parts[0].shape)
     # The estimate stays its start plus a combination of the senders' differences from it, v = start + D a with
     # D = (x_1 - start, ..., x_n - start): each step adds sum_i c_i (x_i - v) = D (sum_i c_i (e_i - a)). So the
     # iterations run on the n coefficients a and the n x n Gram matrix of D, and the part is built once at the end:
@@ -214,6 +220,32 @@ def aligned_centered_clip(
                  out=estimate.view(1, size))
     estimate += start
     return estimate.reshape(parts[0].shape), factors.tolist(), scales.tolist()
+
+
+def _two_sender_clip(rows: Sequence[torch.Tensor], w: np.ndarray, prior: Optional[Sequence[float]],
+                     shape: torch.Size) -> tuple[torch.Tensor, List[float], List[float]]:
+    """Two senders (see :func:`aligned_centered_clip`): nothing in one round tells which of them lies, and their
+    CenteredClip is their mean, which a loud sender (x1e3, or -1e3: gradient ascent) decides. So each part is clipped
+    to the smaller L2 norm of the two (the reference: the smaller norm among the senders whose weight ``w`` times
+    ``prior`` is at least half the larger's), or to ``TWO_SENDER_AGREEING_CLIP`` times it if the two parts agree in
+    direction (inner product >= 0), then weighted by ``w`` times ``prior``. Whatever one of them sends, the result
+    goes along the other's part (its component along it is at least 0) and is at most 1.5 times as long as it.
+    Returns (result, [1.0, 1.0], each sender's ratio ``min(1, reference norm / its norm)``)."""
+    scaled = w
+    if prior is not None and (w * np.asarray(prior, dtype=np.float64)).sum() > 0:
+        scaled = w * np.asarray(prior, dtype=np.float64)
+    norms = np.array([math.sqrt(max(float(torch.dot(row, row)), 0.0)) for row in rows])
+    # the reference is a sender of (about) full weight: one its record almost silenced must not shrink the other
+    reference = float(norms[scaled >= 0.5 * scaled.max()].min())
+    ratios = np.minimum(1.0, reference / np.maximum(norms, 1e-30))
+    # parts that agree in direction (inner product >= 0) can't turn each other back: up to TWO_SENDER_AGREEING_CLIP
+    # times the reference only bounds how much longer the step gets (noisy honest parts differ in length)
+    agree = float(torch.dot(rows[0], rows[1])) >= 0.0
+    scales = np.minimum(1.0, ratios * TWO_SENDER_AGREEING_CLIP) if agree else ratios
+    coefficients = scaled * scales / scaled.sum()
+    estimate = torch.mul(rows[0], float(coefficients[0]))
+    estimate.add_(rows[1], alpha=float(coefficients[1]))
+    return estimate.reshape(shape), [1.0, 1.0], ratios.tolist()
 
 
 def _clip_coefficients(w: np.ndarray, gram: np.ndarray, start_products: np.ndarray, start_norm2: float,
@@ -326,10 +358,18 @@ class SenderTrust:
         total, count = self._sums.get(sender, (0.0, 0.0))
         return total / count if count > 0 else 1.0
 
+    def record(self, sender: Hashable) -> Optional[float]:
+        """The sender's trust, or None if it was never seen (judged, or updated with evidence 0: seen in a round
+        that could not judge it)."""
+        return self.trust(sender) if sender in self._sums else None
+
     def update(self, judged: Dict[Hashable, Tuple[float, float]]) -> None:
         """Add one round: each judged sender's (record in [0, 1], evidence in [0, 1]: its weight relative to the
-        median sender's, at most 1)."""
+        median sender's, at most 1; 0: seen, but not judged)."""
         for sender, (factor, evidence) in judged.items():
+            if not evidence > 0:  # seen, not judged: nothing to remember (nor to forget) but the sender itself
+                self._sums.setdefault(sender, [0.0, 0.0])
+                continue
             total, count = self._sums.get(sender, (0.0, 0.0))
             self._sums[sender] = [self.decay * total + float(evidence) * float(factor),
                                   self.decay * count + float(evidence)]

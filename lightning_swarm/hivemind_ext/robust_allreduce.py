@@ -49,6 +49,7 @@ from lightning_swarm.aggregation import (
     screen_contributions,
 )
 from lightning_swarm.hivemind_ext.part_checks import CheckedPartStreams
+from lightning_swarm.small_rounds import lone_sender_refusal, two_sender_records
 
 log = logging.getLogger(__name__)
 
@@ -72,22 +73,33 @@ def aggregation_executor() -> ThreadPoolExecutor:
 
 def screen_and_aggregate(parts: Sequence[Optional[torch.Tensor]], weights: Sequence[float],
                          max_weights: Optional[Sequence[float]], aggregation: str, tau: Optional[float],
-                         iters: int, min_alignment: Optional[float] = None, trust: Optional[Sequence[float]] = None,
+                         iters: int, min_alignment: Optional[float] = None,
+                         trust: Optional[Sequence[Optional[float]]] = None,
                          ) -> Tuple[Optional[torch.Tensor], List[Refusal], Dict[int, Tuple[float, float]]]:
     """One part's group result from each sender's part and weight (None if no sender's contribution was accepted),
     the refusals (see :func:`lightning_swarm.aggregation.screen_contributions`), and each accepted sender's record
     for :class:`~lightning_swarm.aggregation.SenderTrust`: (its alignment factor times its clip scale, see
     :func:`lightning_swarm.aggregation.aligned_centered_clip`; its evidence, its weight relative to the median accepted
-    weight, at most 1); empty without ``min_alignment``, or with fewer than 3 accepted senders, where neither can tell
-    who lies. ``trust``: each sender's weight factor from its past rounds (with ``min_alignment``)."""
+    weight, at most 1); empty without ``min_alignment`` or with 1 accepted sender; with 2, only a loud one is judged.
+    ``trust``: each sender's weight factor from its past rounds (with ``min_alignment``; None: a sender never seen,
+    factor 1). With the screen, a part that only one sender entered is refused unless that sender was seen before
+    (:func:`lightning_swarm.small_rounds.lone_sender_refusal`), and of 2 senders a loud one is recorded
+    (:func:`lightning_swarm.small_rounds.two_sender_records`)."""
     accepted, accepted_weights, refusals = screen_contributions(parts, weights, max_weights)
     if not accepted:
         return None, refusals, {}
+    if min_alignment is not None and aggregation == "centered_clip" and len(accepted) == 1:
+        refusal = lone_sender_refusal(accepted[0], None if trust is None else trust[accepted[0]])
+        if refusal is not None:  # zeros for every sender (the lone one too): the group stays in step
+            return torch.zeros(parts[accepted[0]].shape, dtype=torch.float32), refusals + [refusal], {}
     result, judged = aggregate_parts(
         [parts[i] for i in accepted], accepted_weights, aggregation, tau, iters, min_alignment,
-        None if trust is None else [trust[i] for i in accepted])
-    if judged is None or len(accepted) < 3:
+        None if trust is None else [1.0 if trust[i] is None else trust[i] for i in accepted])
+    if judged is None or len(accepted) < 2:
         return result, refusals, {}
+    if len(accepted) == 2:
+        records, loud = two_sender_records(accepted, [scale for _, scale in judged])
+        return result, refusals + loud, records
     for sender, (factor, _) in zip(accepted, judged):
         if factor < 1.0:
             refusals.append(Refusal(sender, f"weight lowered: its part goes along less than {min_alignment:g} of "
@@ -108,7 +120,8 @@ class RobustTensorPartReducer(TensorPartReducer):
         max_weights: the largest weight accepted from each sender (None: no bound).
         min_alignment: CenteredClip's alignment screen (None: off), see
             :func:`lightning_swarm.aggregation.aligned_centered_clip`.
-        trust: each sender's weight factor from its past rounds (None: 1.0 each), with ``min_alignment``.
+        trust: each sender's weight factor from its past rounds (None: 1.0 each; an entry None: a sender never
+            judged), with ``min_alignment``.
         on_alignment: called once, when the round ends, with each judged sender's (record, evidence) over this
             reducer's parts (see :class:`~lightning_swarm.aggregation.SenderTrust`; senders never judged:
             left out).
@@ -118,7 +131,7 @@ class RobustTensorPartReducer(TensorPartReducer):
                  aggregation: str = "mean", centered_clip_tau: Optional[float] = None,
                  centered_clip_iters: int = DEFAULT_CENTERED_CLIP_ITERS,
                  max_weights: Optional[Sequence[float]] = None, min_alignment: Optional[float] = None,
-                 trust: Optional[Sequence[float]] = None,
+                 trust: Optional[Sequence[Optional[float]]] = None,
                  on_alignment: Optional[Callable[[Dict[int, Tuple[float, float]]], None]] = None):
         self.sender_names, self.aggregation = list(sender_names), aggregation
         self.centered_clip_tau, self.centered_clip_iters, self.max_weights = centered_clip_tau, centered_clip_iters, max_weights
@@ -214,7 +227,7 @@ class RobustTensorPartReducer(TensorPartReducer):
             texts = {sender: [f"{reason} ({count} of {self.num_parts} parts)" for reason, count in reasons.items()]
                      for sender, reasons in self.refusals.items()}
             for sender, trust in enumerate(self.trust or ()):
-                if trust < LOGGED_TRUST and self._parts_sent[sender]:
+                if trust is not None and trust < LOGGED_TRUST and self._parts_sent[sender]:
                     texts.setdefault(sender, []).append(f"its weight x{trust:.2f} from its record in past rounds")
             for sender, text in texts.items():
                 log.warning(f"[lightning_swarm] averaging: from sender {self.sender_names[sender]}: {'; '.join(text)}")
@@ -309,7 +322,7 @@ class RobustAllReduceRunner(CheckedPartStreams, AllReduceRunner):
         trust = on_alignment = None
         if min_alignment is not None and sender_trust is not None:
             senders = list(self.sender_peer_ids)
-            trust = [sender_trust.trust(peer) for peer in senders]
+            trust = [sender_trust.record(peer) for peer in senders]  # None: never judged
             on_alignment = functools.partial(_record_alignment, sender_trust, senders)
         self.tensor_part_reducer = RobustTensorPartReducer(
             tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids),

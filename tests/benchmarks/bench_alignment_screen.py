@@ -3,19 +3,22 @@ costs honest swarms, also with non-identical data: simulated in one process (fig
 
 The 3-peer swarm of tests/lightning_swarm/byzantine.py as in bench_worker_momentum.py (same model, data, learning
 rate, epoch of 24 batches of 16 split among the peers as they race, BENCH_SPLITS=even: 8 each), aggregated as the
-swarm does: the flat gradient cut into 3 slices, each reduced by one peer's reducer with the real
-:func:`lightning_swarm.aggregation.aligned_centered_clip` and its own :class:`~lightning_swarm.aggregation.SenderTrust`
-(weights: each peer's samples in the epoch, the attacker's lowered to its record). The third peer:
+swarm does: the flat gradient cut into 3 slices, each reduced by one peer's reducer with the swarm's own
+:func:`lightning_swarm.hivemind_ext.robust_allreduce.screen_and_aggregate` (the alignment screen, and the rules for
+rounds of 1 and 2 senders) and its own :class:`~lightning_swarm.aggregation.SenderTrust` (weights: each peer's samples
+in the epoch, the attacker's lowered to its record). The third peer:
 
 - ``none``: honest (the reference of each line);
 - ``neg``: sends its gradient negated (the swarm test's weight-1e9 attacker after screening);
 - ``c=0.5``: sends half its gradient: goes along just at the default screen, full weight (an adaptive attacker);
 - ``zero``: sends zeros with its full weight (a lazy or adaptive peer);
 - ``x1000``: sends its gradient x1e3 (goes along: it keeps its weight, and CenteredClip must bound it);
+- ``ascent``: sends its gradient x -1e3 (loud gradient ascent, issue 24's finding 0);
 - ``absent``: sends nothing (the best any defence can do: the honest pair alone).
 
-BENCH_HETERO=h gives each peer its own target ``y + h * x @ d_k`` (d_k random, one per peer: non-identical data);
-the validation target is then the mean of the 3 peers' targets (the honest swarm's objective).
+BENCH_BATCHES_PER_EPOCH=2 gives the epoch of the tiny recipe (32 samples: at most 2 peers compute in an epoch, so
+no round has 3 senders). BENCH_HETERO=h gives each peer its own target ``y + h * x @ d_k`` (d_k random, one per peer:
+non-identical data); the validation target is then the mean of the 3 peers' targets (the honest swarm's objective).
 Printed per optimizer, epoch count and screen (``off``: plain CenteredClip): the honest swarm's validation loss and
 its ratio to plain CenteredClip's (the screen's cost to honest swarms), and each attack's loss over the honest
 swarm's with the same screen (mean and max over BENCH_SEEDS data offsets and splits).
@@ -36,7 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_worker_momentum import BATCH_SIZE, OPTIMIZERS, PEER_OFFSETS, split_batches  # noqa: E402
-from lightning_swarm.aggregation import SenderTrust, aligned_centered_clip  # noqa: E402
+from lightning_swarm.aggregation import SenderTrust  # noqa: E402
+from lightning_swarm.hivemind_ext.robust_allreduce import screen_and_aggregate  # noqa: E402
 from peer_worker import TinyRegression, make_regression_data  # noqa: E402
 
 NUM_SLICES = 3  # one per peer's reducer
@@ -44,18 +48,18 @@ NUM_SLICES = 3  # one per peer's reducer
 
 def aggregate(messages: list, weights: list, senders: list, min_alignment, trusts: list) -> torch.Tensor:
     """The swarm's average of ``messages`` (one flat gradient per sender, ``senders``: their peer indices): each
-    slice by its own reducer, which keeps its own trust in each peer."""
+    slice by its own reducer (the swarm's :func:`screen_and_aggregate`), which keeps its own trust in each peer. A
+    slice the reducer refuses (with the screen: a lone sender without a record) is zero: the peers that tagged
+    along keep their zeros."""
     result = torch.empty_like(messages[0])
     size = messages[0].numel()
     bounds = [round(i * size / NUM_SLICES) for i in range(NUM_SLICES + 1)]
     for trust, first, last in zip(trusts, bounds[:-1], bounds[1:]):
-        prior = None if min_alignment is None else [trust.trust(sender) for sender in senders]
-        result[first:last], factors, scales = aligned_centered_clip(
-            [message[first:last] for message in messages], weights, min_alignment=min_alignment, prior=prior)
-        if min_alignment is not None and len(messages) >= 3:
-            median = statistics.median(weights) if len(weights) % 2 else sorted(weights)[len(weights) // 2 - 1]
-            trust.update({sender: (factor * scale, min(1.0, weight / median))
-                          for sender, factor, scale, weight in zip(senders, factors, scales, weights)})
+        records = None if min_alignment is None else [trust.record(sender) for sender in senders]
+        part, _, judged = screen_and_aggregate([message[first:last] for message in messages], weights, None,
+                                               "centered_clip", None, 20, min_alignment, records)
+        result[first:last] = 0.0 if part is None else part
+        trust.update({senders[i]: record for i, record in judged.items()})
     return result
 
 
@@ -88,9 +92,13 @@ def train(optimizer_name: str, epochs: int, min_alignment, attack: str, start: i
             messages[2] = float(attack[2:]) * messages[2]
         elif attack == "x1000":
             messages[2] = 1e3 * messages[2]
+        elif attack == "ascent":
+            messages[2] = -1e3 * messages[2]
         elif attack == "zero":
             messages[2] = torch.zeros_like(messages[2])
         senders = [p for p in range(3) if weights[p] > 0 and not (attack == "absent" and p == 2)]
+        if not senders:
+            continue  # only the absent peer computed this epoch
         average = aggregate([messages[p] for p in senders], [weights[p] for p in senders], senders, min_alignment,
                             trusts)
         offset = 0

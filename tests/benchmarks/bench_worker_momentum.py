@@ -41,7 +41,9 @@ from lightning_swarm.worker_momentum import WorkerMomentum  # noqa: E402
 from peer_worker import TinyRegression, make_regression_data  # noqa: E402
 
 PEER_OFFSETS = (0, 30_000, 60_000)  # byzantine.run_swarm's data offsets
-BATCHES_PER_EPOCH, BATCH_SIZE = 24, 16  # SWARM_TARGET_BATCH_SIZE = 384, batch 16
+BATCH_SIZE = 16
+# SWARM_TARGET_BATCH_SIZE = 384: 24 batches of 16 (BENCH_BATCHES_PER_EPOCH=2: the tiny recipe's 32 samples)
+BATCHES_PER_EPOCH = int(os.environ.get("BENCH_BATCHES_PER_EPOCH", "24"))
 OPTIMIZERS = {"sgd": lambda params: torch.optim.SGD(params, lr=0.05),  # byzantine.SWARM_MODEL
               "adamw": lambda params: torch.optim.AdamW(params, lr=0.01)}
 

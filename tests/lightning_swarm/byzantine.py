@@ -5,7 +5,9 @@ Named in a peer's YAML as ``trainer.strategy.class_path: byzantine.ByzantineStra
 - ``scale``: sends its gradients multiplied by 1e3 (with its true weight);
 - ``nan``: sends NaN gradients;
 - ``weight``: claims weight 1e9 (a billion samples) and sends its gradients negated (gradient ascent), so that an
-  average it decided would undo training.
+  average it decided would undo training;
+- ``ascent``: sends its gradients multiplied by -1e3 (loud gradient ascent, issue 24's finding 0), with its true
+  weight.
 
 It bypasses the local guard that keeps an honest peer from sending non-finite gradients (it corrupts the
 gradients after the guard ran); everything else (its reducer part, its state) runs the honest code.
@@ -24,7 +26,7 @@ import torch
 from lightning_swarm.aggregation import DEFAULT_MIN_ALIGNMENT
 from lightning_swarm.strategy import HivemindStrategy
 
-ATTACKS = ("scale", "nan", "weight")
+ATTACKS = ("scale", "nan", "weight", "ascent")
 
 
 class ByzantineGradientAverager(HivemindStrategy.grad_averager_class):
@@ -43,6 +45,8 @@ class ByzantineGradientAverager(HivemindStrategy.grad_averager_class):
             for grad in averaged_grads:
                 if self.attack == "scale":
                     grad.mul_(1e3)
+                elif self.attack == "ascent":
+                    grad.mul_(-1e3)
                 elif self.attack == "nan":
                     grad.fill_(float("nan"))
                 else:

@@ -61,15 +61,49 @@ def test_a_sender_going_partly_along_lowers_the_step_by_at_most_its_share_times_
     assert along(result, honest_mean) >= 1.0 - (1.0 / 3.0) * (1.0 - min_alignment) - 0.02
 
 
-def test_with_two_senders_only_the_history_decides():
+def test_with_two_senders_the_history_decides_and_neither_part_counts_longer_than_the_other():
     _, (honest, other) = noisy_gradients(2, noise=0.5)
     result, factors, scales = aligned_centered_clip([honest, -other], [1.0, 1.0], min_alignment=0.5)
-    assert factors == scales == [1.0, 1.0]  # their alignments add up to 2: no screen
+    assert factors == [1.0, 1.0]  # their alignments add up to 2: no screen
+    norms = [honest.norm(), other.norm()]
+    assert scales == pytest.approx([float(min(norms) / n) for n in norms])
     result, _, _ = aligned_centered_clip([honest, -other], [1.0, 1.0], min_alignment=0.5, prior=[1.0, 0.0])
     assert torch.allclose(result, honest, atol=1e-5)
     # a prior that leaves no weight is ignored
     result, _, _ = aligned_centered_clip([honest, -other], [1.0, 1.0], min_alignment=0.5, prior=[0.0, 0.0])
-    assert torch.allclose(result, (honest - other) / 2, atol=1e-6)
+    assert torch.allclose(result, (scales[0] * honest - scales[1] * other) / 2, atol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [1e3, -1e3, -1.0, 0.0])
+def test_a_loud_or_negated_second_sender_never_turns_the_step_back(scale):
+    # issue 24, finding 0: of 2 senders, a loud gradient ascent (-1e3 x) decided their mean
+    _, (honest, attacker) = noisy_gradients(2, noise=0.5)
+    result, _, scales = aligned_centered_clip([honest, scale * attacker], [16.0, 16.0], min_alignment=0.5)
+    assert float(result @ honest) >= -1e-6 * float(honest @ honest)  # never against the honest part
+    # nor much longer than it: parts that agree in direction are clipped to twice the shorter one's norm
+    assert float(result.norm()) <= float(honest.norm()) * (1.5 + 1e-6)
+    if abs(scale) == 1e3:
+        assert scales[0] == 1.0 and scales[1] < 2e-3
+        assert along(result, honest) > (0.45 if scale > 0 else -0.05)
+
+
+def test_reducer_refuses_a_lone_sender_without_a_record_and_records_a_loud_one(caplog):
+    _, (honest, other) = noisy_gradients(2, noise=0.5, size=500)
+    # a lone sender never seen: refused (zeros for every sender, the lone one too: the group stays in step); one
+    # with a good record: believed
+    for record, believed in [(None, False), (0.2, False), (0.9, True)]:
+        results = run_reducer([[-1e3 * honest], [torch.zeros(500)]], [16.0, 0.0], caplog,
+                              aggregation="centered_clip", min_alignment=0.5, trust=[record, None])
+        for sender in range(2):
+            assert torch.equal(results[sender][0], -1e3 * honest if believed else torch.zeros(500)), record
+    assert "the only sender of a part, not seen before in this run or with a record below 0.5" in caplog.text
+    # of 2 senders, one 1e3 times as long as the other is recorded as an outlier
+    reported = []
+    run_reducer([[honest], [-1e3 * other]], [16.0, 16.0], caplog, aggregation="centered_clip", min_alignment=0.5,
+                trust=[None, None], on_alignment=reported.append)
+    (record,) = reported
+    assert record[0] == (1.0, 0.0) and record[1][0] < 0.02  # the other: seen (evidence 0), not judged
+    assert "peer1: its part is more than 10 times as long as the other sender's" in caplog.text
 
 
 def test_sender_trust_remembers_recent_rounds_more():
@@ -139,5 +173,28 @@ def test_a_far_sender_remembered_from_3_sender_rounds_loses_the_2_sender_round()
     plain, _, _ = aligned_centered_clip([honest, 1e3 * attacker], [1.0, 1.0], min_alignment=0.5)
     remembered, _, _ = aligned_centered_clip([honest, 1e3 * attacker], [1.0, 1.0], min_alignment=0.5,
                                              prior=[trust.trust(0), trust.trust(2)])
-    assert (plain - honest).norm() > 100 * honest.norm()  # 2 senders: the mean
+    assert (plain - honest).norm() < honest.norm()  # 2 senders: clipped to the honest part's norm (not the mean)
     assert (remembered - honest).norm() < 0.1 * honest.norm()
+
+
+def test_the_public_swarm_recipe_ships_with_centered_clip_and_the_alignment_screen():
+    # issue 24, finding 9: with "mean", one x1e3 peer made a swarm diverge (docs/security.md)
+    import yaml
+    from pathlib import Path
+
+    config = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "dalle_1b.yaml").read_text())
+    options = config["trainer"]["strategy"]["init_args"]
+    assert options["aggregation"] == "centered_clip" and options["centered_clip_min_alignment"] == 0.5
+    check_aggregation_options(options["aggregation"], options.get("centered_clip_tau"),
+                              options.get("centered_clip_iters", 20), options["centered_clip_min_alignment"])
+
+
+def test_a_sender_seen_in_a_round_of_2_is_known_and_keeps_its_record():
+    trust = SenderTrust()
+    assert trust.record("a") is None  # never seen: a lone part from it is refused
+    trust.update({"a": (1.0, 0.0)})  # seen in a round of 2, not judged
+    assert trust.record("a") == 1.0
+    trust.update({"b": (0.0, 1.0)})  # judged: an outlier
+    for _ in range(5000):  # seen again and again: neither forgotten nor forgiven
+        trust.update({"b": (1.0, 0.0)})
+    assert trust.record("b") == 0.0

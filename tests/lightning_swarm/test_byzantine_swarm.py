@@ -1,9 +1,9 @@
 """A 3-peer swarm with one malicious peer (tests/lightning_swarm/byzantine.py), real peers as separate processes
-on 127.0.0.1, CenteredClip aggregation (the weight attacker's swarm with its alignment screen, 0.5): the two honest
-peers' parameters stay finite and their validation loss ends at most 10% above that of the same swarm, at the
-strategy's defaults, in which the third peer is honest (an attack may also leave the loss lower: a clipped x1e3
-gradient still points downhill). The weight attacker's claim of 1e9 is lowered to its record and its negated
-gradients lose their weight, both logged."""
+on 127.0.0.1, with the README's settings for a swarm open to strangers (CenteredClip and its alignment screen, 0.5):
+the two honest peers' parameters stay finite and their validation loss ends at most 10% above that of the same swarm,
+at the strategy's defaults, in which the third peer is honest (an attack may also leave the loss lower: a clipped
+x1e3 gradient still points downhill). The weight attacker's claim of 1e9 is lowered to its record and its negated
+gradients lose their weight, and the loud ascent attacker's gradients (x -1e3) theirs, all logged."""
 
 from __future__ import annotations
 
@@ -35,14 +35,14 @@ MAX_LOSS_RATIO = 1.1
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
-# The x1e3 and NaN attackers meet the strategy's defaults (CenteredClip, no alignment screen: it is off by default).
-# With the screen, rounds in which the NaN sender's part is dropped have 2 senders, which the screen's per-peer records
-# decide: the NaN case then ended x0.97-1.09 in 9 runs and x1.103 in one CI run, against x0.95-1.03 without it.
-@pytest.mark.parametrize("attack,logged,min_alignment", [
-    ("scale", [], None), ("nan", ["NaN or Inf"], None),
-    ("weight", ["lowered to", "goes along less than"], DEFAULT_MIN_ALIGNMENT)], ids=["scale", "nan", "weight"])
-def test_honest_peers_withstand_a_byzantine_peer(tmp_path, honest_swarm_loss, attack, logged, min_alignment):
-    params, logs = run_swarm(tmp_path, attack, timeout=RUN_TIMEOUT, min_alignment=min_alignment)
+# Every attacker meets the README's open-swarm settings (issue 24, item 10). The NaN case with the screen failed once
+# in CI at x1.103 (main at 4cc4080, docs/security.md): its rounds of 2 honest senders were the mean then; with the
+# rules for rounds of 1 and 2 senders (lightning_swarm/small_rounds.py) it is run with the screen again.
+@pytest.mark.parametrize("attack,logged", [
+    ("scale", []), ("nan", ["NaN or Inf"]), ("weight", ["lowered to", "goes along less than"]),
+    ("ascent", ["goes along less than"])], ids=["scale", "nan", "weight", "ascent"])
+def test_honest_peers_withstand_a_byzantine_peer(tmp_path, honest_swarm_loss, attack, logged):
+    params, logs = run_swarm(tmp_path, attack, timeout=RUN_TIMEOUT, min_alignment=DEFAULT_MIN_ALIGNMENT)
     for peer_params in params:
         for name, tensor in peer_params.items():
             assert torch.isfinite(tensor).all(), f"{attack}: {name} is not finite"
