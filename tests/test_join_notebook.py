@@ -74,6 +74,7 @@ def test_join_notebook_runs_top_to_bottom_and_its_peer_joins_the_swarm(tmp_path,
         print(text)
         summary = json.loads(text.split("SUMMARY ", 1)[1].splitlines()[0])
         assert summary["run_id"] == run_id and summary["local_steps"] == STEPS and summary["client_mode"] is True
+        assert summary["swarm_epoch"] >= 1  # global steps: 8 samples each, 4 a local step
         assert summary["children_left"] == 0  # the DHT process and the averagers stopped
         # its own signed metrics record came back from the swarm's DHT, with the samples it trained
         (own,) = [row for row in summary["peers_seen"] if row["peer"] == "this notebook"]
