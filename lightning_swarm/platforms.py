@@ -9,6 +9,7 @@ do instead. Upstream calls macOS "partially supported": one warning line there t
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import sys
 from typing import Optional, Tuple
@@ -19,7 +20,8 @@ HIVEMIND_MACOS_NOTE = "https://github.com/learning-at-home/hivemind#installation
 HIVEMIND_WHEEL_PLATFORMS = (("linux", "x86_64"), ("linux", "aarch64"), ("darwin", "x86_64"), ("darwin", "arm64"))
 
 log = logging.getLogger("lightning_swarm")
-_warned = False
+# set once the line is shown: child processes (spawned ones re-import the package, as on macOS) stay quiet
+NOTICE_SHOWN_ENV = "LIGHTNING_SWARM_PLATFORM_NOTICE_SHOWN"
 
 
 def platform_notice(system: Optional[str] = None, machine: Optional[str] = None) -> Optional[Tuple[int, str]]:
@@ -35,8 +37,8 @@ def platform_notice(system: Optional[str] = None, machine: Optional[str] = None)
         return logging.ERROR, ("[lightning_swarm] Windows: hivemind (the swarm's networking) does not run on Windows; "
                                f"install and train inside WSL2 (Ubuntu), see {WSL_URL}")
     if system == "darwin":
-        return logging.WARNING, ("[lightning_swarm] macOS: hivemind calls macOS partially supported (its p2pd runs, "
-                                 f"some averaging features are untested there), see {HIVEMIND_MACOS_NOTE}")
+        return logging.WARNING, ("[lightning_swarm] macOS: hivemind calls macOS partially supported "
+                                 f"({HIVEMIND_MACOS_NOTE}); if the swarm misbehaves here, a Linux machine is the fix")
     if (system, machine.lower()) not in HIVEMIND_WHEEL_PLATFORMS and system.startswith("linux"):
         return logging.ERROR, (f"[lightning_swarm] {system}/{machine}: hivemind ships wheels for Linux x86_64 and "
                                "aarch64 only, so it is not installed here; use an x86_64 or aarch64 machine")
@@ -44,12 +46,11 @@ def platform_notice(system: Optional[str] = None, machine: Optional[str] = None)
 
 
 def warn_about_platform() -> None:
-    """Log :func:`platform_notice`'s line once per process (Python's last-resort handler prints it alone on stderr
-    when logging is not configured)."""
-    global _warned
-    if _warned:
+    """Log :func:`platform_notice`'s line once per process tree (Python's last-resort handler prints it alone on
+    stderr when logging is not configured)."""
+    if os.environ.get(NOTICE_SHOWN_ENV):
         return
-    _warned = True
     notice = platform_notice()
     if notice is not None:
         log.log(*notice)
+        os.environ[NOTICE_SHOWN_ENV] = "1"
