@@ -5,7 +5,9 @@ peer joined the swarm if it saw its own metrics record come back through the DHT
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -50,9 +52,34 @@ def read_json(path: Path):
         return None
 
 
-@pytest.mark.slow  # a monitor and a kernel training a peer, ~1-2 min
-def test_join_notebook_runs_top_to_bottom_and_its_peer_joins_the_swarm(tmp_path, monkeypatch):
-    run_id = f"join_notebook_{os.getpid()}"
+def stream_text(notebook) -> str:
+    """Everything the notebook's code cells printed so far."""
+    return "\n".join(output.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
+                     for output in list(cell.get("outputs", [])) if output.get("output_type") == "stream")
+
+
+def interrupt_when(client, notebook, line: str, timeout: float) -> threading.Thread:
+    """A thread that interrupts the kernel (SIGINT, as Jupyter's interrupt button) once the notebook printed ``line``."""
+
+    def watch():
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            provisioner = getattr(getattr(client, "km", None), "provisioner", None)
+            if provisioner is not None and provisioner.process is not None and line in stream_text(notebook):
+                os.kill(provisioner.process.pid, signal.SIGINT)
+                return
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.slow  # a monitor and a kernel training a peer, ~1 min each
+@pytest.mark.parametrize("stop", ["max_steps", "interrupt"])
+def test_join_notebook_runs_top_to_bottom_and_its_peer_joins_the_swarm(tmp_path, monkeypatch, stop):
+    """stop: the notebook's peer stops at MAX_STEPS, or trains until its cell is interrupted (Jupyter's button)."""
+    run_id = f"join_notebook_{os.getpid()}_{stop}"
     recipe = small_recipe(tmp_path, run_id)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]), OMP_NUM_THREADS="1")
     monitor = Proc([sys.executable, "-m", "lightning_swarm.monitor", "--config", str(recipe),
@@ -62,18 +89,24 @@ def test_join_notebook_runs_top_to_bottom_and_its_peer_joins_the_swarm(tmp_path,
     try:
         address = monitor.wait_line("MONITOR_ADDRESS", 150).split()[1]
         for name, value in {"JOIN_REPO_DIR": str(REPO), "JOIN_CONFIG": str(recipe), "JOIN_INITIAL_PEERS": address,
-                            "JOIN_MAX_STEPS": str(STEPS), "JOIN_PRINT_EVERY": "1", "PYTHONPATH": str(REPO),
-                            "OMP_NUM_THREADS": "1"}.items():
+                            "JOIN_MAX_STEPS": str(STEPS) if stop == "max_steps" else "0", "JOIN_PRINT_EVERY": "1",
+                            "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}.items():
             monkeypatch.setenv(name, value)  # the kernel inherits this process's environment
         notebook = nbformat.read(NOTEBOOK, as_version=4)
-        nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
-                                resources={"metadata": {"path": str(tmp_path)}}).execute()
+        client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
+                                         resources={"metadata": {"path": str(tmp_path)}})
+        if stop == "interrupt":
+            interrupt_when(client, notebook, f"step {STEPS}:", timeout=400)
+        client.execute()
         nbformat.write(notebook, tmp_path / "join.executed.ipynb")  # what a volunteer would see, kept for a failure
-        text = "\n".join(output.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
-                         for output in cell.get("outputs", []) if output.get("output_type") == "stream")
+        text = stream_text(notebook)
         print(text)
         summary = json.loads(text.split("SUMMARY ", 1)[1].splitlines()[0])
-        assert summary["run_id"] == run_id and summary["local_steps"] == STEPS and summary["client_mode"] is True
+        assert summary["run_id"] == run_id and summary["client_mode"] is True
+        if stop == "max_steps":
+            assert summary["local_steps"] == STEPS and "stopped by interrupt" not in text
+        else:  # the cell was interrupted after step STEPS (before the recipe's own 1500)
+            assert STEPS <= summary["local_steps"] < 1500 and "stopped by interrupt" in text
         assert summary["swarm_epoch"] >= 1  # global steps: 8 samples each, 4 a local step
         assert summary["children_left"] == 0  # the DHT process and the averagers stopped
         # its own signed metrics record came back from the swarm's DHT, with the samples it trained
