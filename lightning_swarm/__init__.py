@@ -6,6 +6,9 @@ lightning) happen on first use of an exported name.
 """
 
 from lightning_swarm.exports import lazy_exports
+from lightning_swarm.platforms import warn_about_platform
+
+warn_about_platform()  # Windows: one line pointing to WSL2; macOS: one line, partially supported (platforms.py)
 
 _EXPORTS = {
     "HivemindStrategy": "lightning_swarm.strategy",

@@ -85,7 +85,7 @@ def build_swarm_optimizer(
         hivemind_kwargs,
         swarm_auth=swarm_auth,
         use_local_updates=False,
-        client_mode=None,  # derived from the DHT, which knows whether we are in client mode
+        client_mode=dht.client_mode,  # hivemind derives None the wrong way round (a client-mode peer would share state)
         grad_compression=codec,
         state_averaging_compression=codec,
         load_state_compression=swarm_compression.resolve_compression(load_state_compression),

@@ -2,7 +2,7 @@
 
 Each hivemind peer runs a DHT process and two averager processes next to training. Left as they are, they take a
 good part of a CPU core even when the peer is alone, which costs training throughput wherever cores are scarce.
-SwarmOptimizer changes six things and nothing else:
+SwarmOptimizer changes seven things and nothing else:
 - progress is published through :class:`~lightning_swarm.hivemind_ext.tracker.ThrottledProgressTracker` (not a
   DHT store on every local step);
 - both averagers search for groups through
@@ -16,13 +16,19 @@ SwarmOptimizer changes six things and nothing else:
   and a groupmate's part that arrives before its group is registered waits for it
   (:mod:`~lightning_swarm.hivemind_ext.round_groups`); docs/swarm-at-scale.md has the measurements;
 - a newcomer's state download is verified, logged and retried, and skips the gradient buffers
-  (:mod:`~lightning_swarm.hivemind_ext.state_download`).
+  (:mod:`~lightning_swarm.hivemind_ext.state_download`);
+- the process keeps its Ctrl+C: hivemind's averagers set SIGINT to "ignore" in the process that starts them (so that
+  their children ignore it), which left a training peer, or a notebook's kernel, deaf to Ctrl+C and Jupyter's
+  interrupt; the handler is put back once they started (their children still ignore it, and the trainer's
+  shutdown stops them).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import signal
+import threading
 from typing import Optional
 
 import hivemind
@@ -129,7 +135,13 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.swarm_auth = swarm_auth  # read by the factories below, which hivemind calls from its __init__
         if swarm_auth is not None and grad_averager_factory is not None:  # None: local updates, no such averager
             grad_averager_factory = functools.partial(grad_averager_factory, swarm_auth=swarm_auth)
-        super().__init__(*args, grad_averager_factory=grad_averager_factory, **kwargs)
+        in_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+        interrupt_handler = signal.getsignal(signal.SIGINT) if in_main_thread else None
+        try:
+            super().__init__(*args, grad_averager_factory=grad_averager_factory, **kwargs)
+        finally:
+            if interrupt_handler is not None and signal.getsignal(signal.SIGINT) is not interrupt_handler:
+                signal.signal(signal.SIGINT, interrupt_handler)  # hivemind's averagers set SIG_IGN (module docstring)
         self.requested_overlap = {name: getattr(self, name) for name in OVERLAP_OPTIONS}  # as configured
         self.overlapping = True  # whether the requested overlap options are in force
 

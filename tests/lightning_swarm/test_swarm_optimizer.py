@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 
 import hivemind
@@ -106,6 +107,23 @@ def test_lone_peer_does_not_preschedule_averaging(dht, optimizer_class, expect_s
         assert bool(schedules) == expect_schedules
     finally:
         optimizer.shutdown()
+
+
+def test_the_process_keeps_its_interrupt_handler(dht):
+    """hivemind.Optimizer leaves SIGINT ignored in the process that made it (Ctrl+C and Jupyter's interrupt do
+    nothing); SwarmOptimizer puts the handler back."""
+    before = signal.getsignal(signal.SIGINT)
+    after = {}
+    for optimizer_class in (hivemind.Optimizer, SwarmOptimizer):
+        model = torch.nn.Linear(4, 1)
+        optimizer = optimizer_class(
+            dht=dht, run_id=f"sigint_{optimizer_class.__name__}", target_batch_size=64, batch_size_per_step=16,
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.1), params=model.parameters(),
+            matchmaking_time=1.0, averaging_timeout=5.0, verbose=False)
+        after[optimizer_class] = signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, before)
+        optimizer.shutdown()
+    assert after[hivemind.Optimizer] is signal.SIG_IGN and after[SwarmOptimizer] is before
 
 
 @pytest.mark.parametrize("ours, hivemind_class", [(SwarmStateAverager, TrainingStateAverager),
