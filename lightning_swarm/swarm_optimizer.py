@@ -85,7 +85,9 @@ def build_swarm_optimizer(
         hivemind_kwargs,
         swarm_auth=swarm_auth,
         use_local_updates=False,
-        client_mode=None,  # derived from the DHT, which knows whether we are in client mode
+        # explicitly the DHT's: hivemind 1.1.12 turns client_mode=None into None (its condition is inverted), and a
+        # client-mode peer then sets a state sharing priority at its first global step, which its averagers refuse
+        client_mode=dht.client_mode,
         grad_compression=codec,
         state_averaging_compression=codec,
         load_state_compression=swarm_compression.resolve_compression(load_state_compression),

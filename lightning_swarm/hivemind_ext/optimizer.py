@@ -2,7 +2,7 @@
 
 Each hivemind peer runs a DHT process and two averager processes next to training. Left as they are, they take a
 good part of a CPU core even when the peer is alone, which costs training throughput wherever cores are scarce.
-SwarmOptimizer changes six things and nothing else:
+SwarmOptimizer changes these things and nothing else:
 - progress is published through :class:`~lightning_swarm.hivemind_ext.tracker.ThrottledProgressTracker` (not a
   DHT store on every local step);
 - both averagers search for groups through
@@ -17,6 +17,8 @@ SwarmOptimizer changes six things and nothing else:
   (:mod:`~lightning_swarm.hivemind_ext.round_groups`); docs/swarm-at-scale.md has the measurements;
 - a newcomer's state download is verified, logged and retried, and skips the gradient buffers
   (:mod:`~lightning_swarm.hivemind_ext.state_download`).
+- ``client_mode`` left to None is the DHT's (hivemind 1.1.12 keeps None, and a client-mode peer then dies at its
+  first global step setting a state sharing priority its averagers refuse).
 """
 
 from __future__ import annotations
@@ -118,13 +120,18 @@ class SwarmOptimizer(hivemind.Optimizer):
     :mod:`lightning_swarm.hivemind_ext.auth_guards`); the DHT must have been created with its authorizer.
     ``overlap_max_peers`` (default 2; None: no limit): if ``delay_optimizer_step`` or ``delay_grad_averaging`` is on,
     they (and ``delay_state_averaging``, if on) apply while the swarm has at most this many peers; in a larger
-    swarm this peer averages synchronously, and says so in the log when it switches.
+    swarm this peer averages synchronously, and says so in the log when it switches. ``client_mode`` left out (or
+    None) is the DHT's, as hivemind documents but 1.1.12 does not do.
     """
 
     def __init__(self, *args, grad_averager_factory=SwarmGradientAverager, robust_averaging_opts=None,
                  swarm_auth: Optional[PeerCredentials] = None,
                  overlap_max_peers: Optional[int] = DEFAULT_OVERLAP_MAX_PEERS, **kwargs):
         self.overlap_max_peers = check_overlap_max_peers(overlap_max_peers)
+        if kwargs.get("client_mode") is None and kwargs.get("dht") is not None:
+            # hivemind 1.1.12 keeps None here (its condition is inverted): a client-mode peer would then set a state
+            # sharing priority at its first global step, which its averagers refuse with a ValueError
+            kwargs["client_mode"] = kwargs["dht"].client_mode
         self.robust_averaging_opts = dict(robust_averaging_opts or {})  # read by _make_state_averager in super()
         self.swarm_auth = swarm_auth  # read by the factories below, which hivemind calls from its __init__
         if swarm_auth is not None and grad_averager_factory is not None:  # None: local updates, no such averager
