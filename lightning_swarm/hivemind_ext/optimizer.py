@@ -36,6 +36,7 @@ from lightning_swarm.hivemind_ext.credentials import PeerCredentials
 from lightning_swarm.hivemind_ext.finite_state import FiniteStateDownload
 from lightning_swarm.hivemind_ext.gathered_checks import CheckedGatheredData
 from lightning_swarm.hivemind_ext.grad_averager import SampleWeightedGradientAverager
+from lightning_swarm.hivemind_ext.lifetime import DiesWithParent
 from lightning_swarm.hivemind_ext.matchmaking import ThrottledLeaderSearch
 from lightning_swarm.hivemind_ext.state_download import NoStateDownload, VerifiedStateDownload
 from lightning_swarm.hivemind_ext.state_serving import GuardedStateServing
@@ -72,8 +73,8 @@ class HivemindRpcNames:
         return hivemind_class._get_handle_name(namespace, method_name)
 
 
-class SwarmGradientAverager(HivemindRpcNames, AuthenticatedAveraging, CheckedGatheredData, GuardedStateServing,
-                            PatientGroupRegistration, ThrottledLeaderSearch, ProgressBoundedWeights,
+class SwarmGradientAverager(DiesWithParent, HivemindRpcNames, AuthenticatedAveraging, CheckedGatheredData,
+                            GuardedStateServing, PatientGroupRegistration, ThrottledLeaderSearch, ProgressBoundedWeights,
                             SampleWeightedGradientAverager, NoStateDownload):
     """Gradient averager of a SwarmOptimizer: mean over samples, throttled leader search (``leader_poll_interval``),
     groupmates' parts wait for their group to be registered (:mod:`~lightning_swarm.hivemind_ext.round_groups`),
@@ -83,11 +84,13 @@ class SwarmGradientAverager(HivemindRpcNames, AuthenticatedAveraging, CheckedGat
     (they are reset right after), its own are served to at most ``max_state_downloads`` requesters at once, one
     download each (:mod:`~lightning_swarm.hivemind_ext.state_serving`); in a run with an authority only authenticated
     peers share a group and download state (``swarm_auth``); a member's malformed gathered data does not fail the
-    round (:mod:`~lightning_swarm.hivemind_ext.gathered_checks`)."""
+    round (:mod:`~lightning_swarm.hivemind_ext.gathered_checks`); its process dies with the trainer
+    (:mod:`~lightning_swarm.hivemind_ext.lifetime`)."""
 
 
-class SwarmStateAverager(HivemindRpcNames, AuthenticatedAveraging, CheckedGatheredData, GuardedStateServing,
-                         PatientGroupRegistration, ThrottledLeaderSearch, RobustAveraging, TrainingStateAverager,
+class SwarmStateAverager(DiesWithParent, HivemindRpcNames, AuthenticatedAveraging, CheckedGatheredData,
+                         GuardedStateServing, PatientGroupRegistration, ThrottledLeaderSearch, RobustAveraging,
+                         TrainingStateAverager,
                          FiniteStateDownload, VerifiedStateDownload):
     """State averager of a SwarmOptimizer: hivemind's TrainingStateAverager with a throttled leader search,
     groupmates' parts that wait for their group to be registered (:mod:`~lightning_swarm.hivemind_ext.round_groups`),
@@ -95,7 +98,8 @@ class SwarmStateAverager(HivemindRpcNames, AuthenticatedAveraging, CheckedGather
     state download (``state_download_attempts``) and no non-finite downloaded state, its own state served to at most
     ``max_state_downloads`` requesters at once, one download each, and a member's malformed gathered data does not fail
     the round; in a run with an authority, groups of authenticated peers only, state from plausible donors (or the one
-    a moderator's revert names) and to token holders only."""
+    a moderator's revert names) and to token holders only; its process dies with the trainer
+    (:mod:`~lightning_swarm.hivemind_ext.lifetime`)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("max_sender_weight", 1.0)
