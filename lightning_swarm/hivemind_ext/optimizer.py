@@ -16,7 +16,7 @@ SwarmOptimizer changes these things and nothing else:
   and a groupmate's part that arrives before its group is registered waits for it
   (:mod:`~lightning_swarm.hivemind_ext.round_groups`); docs/swarm-at-scale.md has the measurements;
 - a newcomer's state download is verified, logged and retried, and skips the gradient buffers
-  (:mod:`~lightning_swarm.hivemind_ext.state_download`).
+  (:mod:`~lightning_swarm.hivemind_ext.state_download`); its retries end when ``stop_waiting()`` says so;
 - ``client_mode`` left to None is the DHT's (hivemind 1.1.12 keeps None, and a client-mode peer then dies at its
   first global step setting a state sharing priority its averagers refuse).
 """
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import hivemind
 from hivemind.optim.progress_tracker import ProgressTracker
@@ -38,7 +38,7 @@ from lightning_swarm.hivemind_ext.gathered_checks import CheckedGatheredData
 from lightning_swarm.hivemind_ext.grad_averager import SampleWeightedGradientAverager
 from lightning_swarm.hivemind_ext.lifetime import DiesWithParent
 from lightning_swarm.hivemind_ext.matchmaking import ThrottledLeaderSearch
-from lightning_swarm.hivemind_ext.state_download import NoStateDownload, VerifiedStateDownload
+from lightning_swarm.hivemind_ext.state_download import NoStateDownload, StateDownloadStopped, VerifiedStateDownload
 from lightning_swarm.hivemind_ext.state_serving import GuardedStateServing
 from lightning_swarm.hivemind_ext.robust_allreduce import RobustAveraging
 from lightning_swarm.hivemind_ext.round_groups import PatientGroupRegistration
@@ -142,7 +142,27 @@ class SwarmOptimizer(hivemind.Optimizer):
             grad_averager_factory = functools.partial(grad_averager_factory, swarm_auth=swarm_auth)
         super().__init__(*args, grad_averager_factory=grad_averager_factory, **kwargs)
         self.requested_overlap = {name: getattr(self, name) for name in OVERLAP_OPTIONS}  # as configured
+        self.download_abandoned: Optional[str] = None  # why a state download was abandoned (see stop_waiting)
         self.overlapping = True  # whether the requested overlap options are in force
+
+    @property
+    def stop_waiting(self) -> Optional[Callable[[], Optional[str]]]:
+        """A callable giving why this peer should stop (its trainer got SIGTERM, reached max_time...) or None: a state
+        download in progress is then abandoned, see :meth:`load_state_from_peers`."""
+        return self.state_averager.stop_waiting
+
+    @stop_waiting.setter
+    def stop_waiting(self, check: Optional[Callable[[], Optional[str]]]) -> None:
+        self.state_averager.stop_waiting = check
+
+    def load_state_from_peers(self, **kwargs) -> None:
+        """hivemind's (which retries forever), abandoned when ``stop_waiting()`` gives a reason: then nothing is
+        loaded, ``download_abandoned`` holds the reason and the caller should stop training."""
+        try:
+            super().load_state_from_peers(**kwargs)
+        except StateDownloadStopped as e:
+            log.warning(f"[lightning_swarm] {e}")
+            self.download_abandoned = str(e)
 
     def step(self, *args, **kwargs):
         self._choose_overlap()

@@ -96,3 +96,39 @@ def test_sigkilled_trainer_leaves_nothing_behind(tmp_path, peers):
 def names_ok(names) -> bool:
     """The trainer, its DHT process and two averagers (python), and p2pd."""
     return names.count("p2pd") == 1 and len(names) >= 5
+
+
+@pytest.mark.slow
+def test_peer_stuck_in_state_download_retries_stops_at_max_time_and_on_sigterm(tmp_path, peers):
+    """Two newcomers join a peer whose state they can never load (their models are smaller, and of two sizes: every
+    download is refused for its shapes, and hivemind retries forever). One stops by itself at its Trainer's max_time, the other on
+    SIGTERM (its main process only), each within seconds, leaving no process behind."""
+    strategy = dict(run_id="stuck", target_batch_size=16, host_maddrs=LOCAL, matchmaking_time=1.5,
+                    averaging_timeout=10.0, load_state_timeout=5.0)
+    donor = Peer(tmp_path, "donor", strategy, model={"step_delay": 0.05}, data={"batch_size": 4},
+                 recorder={"stop_at_epoch": 1000, "max_seconds": 240})
+    peers.append(donor)
+    # two sizes: a newcomer offers its own state too, and must not be able to load the other's
+    timed = Peer(tmp_path, "timed", strategy, model={"hidden": 16}, data={"batch_size": 4}, join_later=True,
+                 trainer={"max_time": "00:00:00:20"}, recorder={"stop_at_epoch": 1000, "max_seconds": 240})
+    termed = Peer(tmp_path, "termed", strategy, model={"hidden": 24}, data={"batch_size": 4}, join_later=True,
+                  recorder={"stop_at_epoch": 1000, "max_seconds": 240})
+    peers += [timed, termed]
+    join = donor.join_peers()
+    timed.join(join)
+    termed.join(join)
+    refused = "State download from"
+    wait_until(lambda: refused in timed.log() and refused in termed.log(), 120, [donor, timed, termed],
+               "both newcomers to fail a state download")
+    start = time.monotonic()
+    os.kill(termed.process.pid, signal.SIGTERM)
+    termed.process.wait(timeout=30)
+    sigterm_seconds = time.monotonic() - start
+    timed.process.wait(timeout=60)  # max_time: 20 s from the start of training, whatever the retries
+    for peer in (timed, termed):
+        assert "state download abandoned" in peer.log(), peer.log()[-3000:]
+        assert peer.max_epoch() <= 0, peer.events()  # no global step from its own, stale parameters
+        assert_session_ends(peer.process.pid, timeout=15)
+    assert timed.process.returncode == 0, timed.log()[-3000:]
+    assert sigterm_seconds < 30  # teardown (averagers, DHT) included; without the fix it never stops
+    print(f"stopped {sigterm_seconds:.1f} s after SIGTERM")
