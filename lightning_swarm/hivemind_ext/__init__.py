@@ -21,6 +21,11 @@ Every private name used is listed in :data:`~lightning_swarm.hivemind_ext.privat
       ``update_triggered``, ``update_finished``.
     - ``Matchmaking.potential_leaders``, ``DecentralizedAverager._matchmaking``: where the search is swapped in.
     - ``MAX_DHT_TIME_DISCREPANCY_SECONDS``: the loop's margin, as in hivemind.
+``group_keys`` (groups that change every round: random initial group bits, a lonely peer moves to another key)
+    - ``GroupKeyManager.update_key_on_not_enough_peers``: overridden (hivemind's is a stub); it sets
+      ``GroupKeyManager.group_bits`` and logs ``GroupKeyManager.prefix``.
+    - ``Matchmaking.group_key_manager``, ``DecentralizedAverager._matchmaking``: where the key manager's class is
+      switched, as hivemind assigns the matchmaking.
 ``tracker`` (progress published at a bounded rate)
     - ``ProgressTracker._parse_swarm_progress_data`` and ``ProgressTracker._local_public_key``: count our own
       samples from the live progress, not from our possibly older DHT record.

@@ -36,6 +36,7 @@ from lightning_swarm.hivemind_ext.credentials import PeerCredentials
 from lightning_swarm.hivemind_ext.finite_state import FiniteStateDownload
 from lightning_swarm.hivemind_ext.gathered_checks import CheckedGatheredData
 from lightning_swarm.hivemind_ext.grad_averager import SampleWeightedGradientAverager
+from lightning_swarm.hivemind_ext.group_keys import MovingGroupKeys
 from lightning_swarm.hivemind_ext.lifetime import DiesWithParent
 from lightning_swarm.hivemind_ext.matchmaking import ThrottledLeaderSearch
 from lightning_swarm.hivemind_ext.state_download import NoStateDownload, StateDownloadStopped, VerifiedStateDownload
@@ -74,8 +75,8 @@ class HivemindRpcNames:
 
 
 class SwarmGradientAverager(DiesWithParent, HivemindRpcNames, AuthenticatedAveraging, CheckedGatheredData,
-                            GuardedStateServing, PatientGroupRegistration, ThrottledLeaderSearch, ProgressBoundedWeights,
-                            SampleWeightedGradientAverager, NoStateDownload):
+                            GuardedStateServing, PatientGroupRegistration, MovingGroupKeys, ThrottledLeaderSearch,
+                            ProgressBoundedWeights, SampleWeightedGradientAverager, NoStateDownload):
     """Gradient averager of a SwarmOptimizer: mean over samples, throttled leader search (``leader_poll_interval``),
     groupmates' parts wait for their group to be registered (:mod:`~lightning_swarm.hivemind_ext.round_groups`),
     screened all-reduce (``aggregation``, ``centered_clip_tau``, ``centered_clip_iters``,
@@ -89,9 +90,8 @@ class SwarmGradientAverager(DiesWithParent, HivemindRpcNames, AuthenticatedAvera
 
 
 class SwarmStateAverager(DiesWithParent, HivemindRpcNames, AuthenticatedAveraging, CheckedGatheredData,
-                         GuardedStateServing, PatientGroupRegistration, ThrottledLeaderSearch, RobustAveraging,
-                         TrainingStateAverager,
-                         FiniteStateDownload, VerifiedStateDownload):
+                         GuardedStateServing, PatientGroupRegistration, MovingGroupKeys, ThrottledLeaderSearch,
+                         RobustAveraging, TrainingStateAverager, FiniteStateDownload, VerifiedStateDownload):
     """State averager of a SwarmOptimizer: hivemind's TrainingStateAverager with a throttled leader search,
     groupmates' parts that wait for their group to be registered (:mod:`~lightning_swarm.hivemind_ext.round_groups`),
     a screened all-reduce (every peer has weight 1 in state averaging: ``max_sender_weight=1``), a verified, retried
