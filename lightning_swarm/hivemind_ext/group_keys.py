@@ -16,15 +16,16 @@ hivemind's default ``initial_group_bits=""`` the key never changes and all peers
 
 from __future__ import annotations
 
-import logging
 import math
 import random
 from typing import Optional
 
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.matchmaking import Matchmaking
+from hivemind.utils import get_logger
 
-log = logging.getLogger(__name__)
+# runs in hivemind's averager process: log under hivemind's logger, whose handler shows INFO beside hivemind's own
+log = get_logger("hivemind.averaging.moving_group_keys")
 
 
 def moshpit_group_bits(expected_peers: Optional[int], target_group_size: Optional[int],
@@ -57,7 +58,7 @@ class MovingGroupKeyManager(GroupKeyManager):
         current = int(self.group_bits, 2)
         other = random.choice([key for key in range(2**num_bits) if key != current])
         self.group_bits = bin(other)[2:].rjust(num_bits, "0")
-        log.debug(f"no group under {self.prefix}.0b{bin(current)[2:].rjust(num_bits, '0')}: trying {self.current_key}")
+        log.info(f"No group under {self.prefix}.0b{bin(current)[2:].rjust(num_bits, '0')}, trying {self.current_key}")
 
 
 class MovingGroupKeys:

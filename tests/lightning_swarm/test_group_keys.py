@@ -116,3 +116,29 @@ def test_a_peer_alone_under_its_key_moves_to_another(dht):
     alone = MovingGroupKeyManager(dht, "run_grad_averager", "", 4)
     asyncio.run(alone.update_key_on_not_enough_peers())
     assert alone.group_bits == ""
+
+
+def test_an_averager_that_found_no_group_moves_to_another_key(dht):
+    """In a real averager's process (the key manager is switched as hivemind builds its matchmaking): a peer alone
+    under its key fails its round and then looks under another key; hivemind's own would stay where it was."""
+    import torch
+    from hivemind.averaging import DecentralizedAverager
+
+    from lightning_swarm.hivemind_ext.group_keys import MovingGroupKeys
+    from lightning_swarm.hivemind_ext.matchmaking import ThrottledLeaderSearch
+
+    class Averager(MovingGroupKeys, ThrottledLeaderSearch, DecentralizedAverager):
+        pass
+
+    # 16 bits: it may move several times during the round, and comes back here with odds below 1e-3
+    initial = "0" * 15 + "1"
+    averager = Averager([torch.zeros(4)], dht=dht, prefix="lonely", initial_group_bits=initial, target_group_size=2,
+                        min_matchmaking_time=0.5, request_timeout=0.25, start=True)
+    try:
+        assert averager.get_group_bits() == initial
+        with pytest.raises(Exception, match="could not find a group"):
+            averager.step(timeout=5)  # declarations last 0.5 s: the first ends with nobody found, and it moves
+        bits = averager.get_group_bits()
+        assert bits != initial and len(bits) == 16
+    finally:
+        averager.shutdown()
