@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import hivemind
 
@@ -73,14 +73,26 @@ def _kill_tree_and_self(parent_pid: int, name: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def watch_parent(parent_pid: int, interval: float, name: str) -> threading.Thread:
-    """Start a daemon thread that, once this process's parent is no longer ``parent_pid``, SIGKILLs every process this
-    one started and then this one. Returns the thread."""
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's (the pid was reused)
+        return True
+    return True
+
+
+def watch_parent(parent_pid: int, interval: float, name: str, creator_pid: Optional[int] = None) -> threading.Thread:
+    """Start a daemon thread that, once this process's parent is no longer ``parent_pid`` (or at once if
+    ``creator_pid``, the process that asked for this one, is already gone), SIGKILLs every process this one started
+    and then this one. Returns the thread."""
 
     def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(interval)
-        _kill_tree_and_self(parent_pid, name)
+        if creator_pid is None or _alive(creator_pid):
+            while os.getppid() == parent_pid:
+                time.sleep(interval)
+        _kill_tree_and_self(creator_pid or parent_pid, name)
 
     thread = threading.Thread(target=watch, name="lightning_swarm.parent_watchdog", daemon=True)
     thread.start()
@@ -100,7 +112,8 @@ class DiesWithParent:
 
     def run(self):
         if os.getpid() != self._creator_pid:  # in the child (run() called directly would watch our own parent)
-            watch_parent(self._creator_pid, self.parent_poll_interval, type(self).__name__)
+            # the parent is the creator (fork, spawn) or a forkserver, which ends when the creator does
+            watch_parent(os.getppid(), self.parent_poll_interval, type(self).__name__, creator_pid=self._creator_pid)
         return super().run()
 
 
