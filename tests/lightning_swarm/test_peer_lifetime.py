@@ -115,6 +115,9 @@ def test_peer_stuck_in_state_download_retries_stops_at_max_time_and_on_sigterm(t
                   recorder={"stop_at_epoch": 1000, "max_seconds": 240})
     peers += [timed, termed]
     join = donor.join_peers()
+    # the newcomers join once the donor offers its state: one that found no donor would train alone, on a model
+    # of its own, and become the run's most advanced peer
+    wait_until(lambda: donor.max_epoch() >= 2, 120, [donor], "the donor to pass two global steps")
     timed.join(join)
     termed.join(join)
     refused = "State download from"
