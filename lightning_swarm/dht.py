@@ -10,6 +10,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_swarm import metrics as swarm_metrics
 from lightning_swarm.auth.peer import SwarmAuth
+from lightning_swarm.hivemind_ext.lifetime import SwarmDHT
 from lightning_swarm.peers import INITIAL_PEERS_ENV, join_message, reachable_maddrs
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,8 @@ def start_peer_dht(
     if swarm_auth is not None:
         validators = validators + [OwnerIsRequesterValidator()]
     try:
-        dht = hivemind.DHT(initial_peers=initial_peers or None, start=True, record_validators=validators, **dht_kwargs)
+        # SwarmDHT: its process and p2pd die with this one, also when it is SIGKILLed
+        dht = SwarmDHT(initial_peers=initial_peers or None, start=True, record_validators=validators, **dht_kwargs)
     except Exception as e:
         if not initial_peers:
             raise

@@ -40,7 +40,7 @@ from lightning_swarm.hivemind_ext.optimizer import SwarmGradientAverager, SwarmO
 from lightning_swarm.peers import check_listen_maddrs, resolve_initial_peers
 from lightning_swarm.scheduler import GlobalEpochScheduler
 from lightning_swarm.strategy_options import check_strategy_options, check_trainer_for_swarm, hivemind_optimizer_options
-from lightning_swarm.swarm_optimizer import build_swarm_optimizer, join_swarm, scheduler_factory
+from lightning_swarm.swarm_optimizer import build_swarm_optimizer, join_swarm, scheduler_factory, trainer_stop_reason
 from lightning_swarm.worker_momentum import check_worker_momentum
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,12 @@ class HivemindStrategy(SingleDeviceStrategy):
             ``leader_poll_interval``: minimum seconds between two DHT reads of the averagers looking for a group
             (default: a tenth of matchmaking_time, at most 0.5 s; hivemind itself polls without pause), and
             ``max_state_downloads``: downloads of this peer's state served at once (default 2; one per requester,
-            see :mod:`lightning_swarm.hivemind_ext.state_serving`).
+            see :mod:`lightning_swarm.hivemind_ext.state_serving`), and
+            ``expected_peers``: with ``target_group_size`` g below it, each peer starts under a random one of
+            ``expected_peers / g`` group keys (hivemind's ``initial_group_bits``), so groups change every round
+            and every peer's contribution reaches all in about log_g(expected_peers) rounds; a peer that finds no
+            group under its key moves to another (:mod:`lightning_swarm.hivemind_ext.group_keys`). Unset: one key,
+            hivemind's default.
         tracker_opts: extra keyword arguments for hivemind's ProgressTracker (e.g. ``{"max_refresh_period": 2}``),
             plus ``min_report_interval`` (default: ``min_refresh_period``, 0.5 s): this peer publishes its
             progress to the DHT at most that often (and every half fetch interval, which is longer early in an
@@ -316,6 +321,8 @@ class HivemindStrategy(SingleDeviceStrategy):
             raise ValueError(f"HivemindStrategy supports at most one LR scheduler, got {len(schedulers)}")
         user_scheduler = schedulers[0] if schedulers else None
         self._optimizer = self.make_swarm_optimizer(optimizer, user_scheduler)
+        # a state download that keeps failing must not outlive SIGTERM or max_time (hivemind retries forever)
+        self._optimizer.stop_waiting = lambda: trainer_stop_reason(self._trainer_or_none())
         self.optimizers = [self._optimizer]
         if user_scheduler is not None:
             self.lr_scheduler_configs[0].scheduler = GlobalEpochScheduler(
@@ -352,6 +359,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         if self._optimizer is None:
             return
         join_swarm(self._optimizer, joining=bool(self.initial_peers))
+        self._stop_if_download_abandoned()
         self.stats.start(self.global_epoch)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -385,6 +393,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         scaler = self._grad_scaler
         scale_before = scaler.get_scale() if scaler is not None else None
         step_output = super().optimizer_step(optimizer, closure_keeping_loss, model, **kwargs)
+        self._stop_if_download_abandoned()
         loss = losses[-1] if losses else step_output
         skipped = scaler is not None and scaler.get_scale() < scale_before  # the scale only drops on an overflow
         if skipped:
@@ -395,6 +404,18 @@ class HivemindStrategy(SingleDeviceStrategy):
                                             token=self.swarm_auth.token_for_records() if self.swarm_auth else "")
             self._metrics_publisher.publish(self._dht, self.run_id, record)
         return step_output
+
+    def _trainer_or_none(self) -> Optional[Trainer]:
+        try:
+            return self.lightning_module.trainer if self.lightning_module is not None else None
+        except RuntimeError:  # the module is not attached to a Trainer
+            return None
+
+    def _stop_if_download_abandoned(self) -> None:
+        """Stop training once the optimizer abandoned a state download (SIGTERM, max_time): its state is stale."""
+        trainer = self._trainer_or_none()
+        if self._optimizer.download_abandoned and trainer is not None:
+            trainer.should_stop = True
 
     @property
     def local_samples_per_second(self) -> float:

@@ -7,6 +7,7 @@ import re
 from typing import Any, Dict, List, Optional
 
 from lightning_swarm.compression import COMPRESSION_CHOICES
+from lightning_swarm.hivemind_ext.group_keys import moshpit_group_bits
 from lightning_swarm.hivemind_ext.optimizer import check_overlap_max_peers
 
 
@@ -97,6 +98,13 @@ def hivemind_optimizer_options(
 ) -> Dict[str, Any]:
     """The SwarmOptimizer arguments of HivemindStrategy's options (same names and meaning), defaults filled in."""
     check_overlap_max_peers(overlap_max_peers)
+    # hivemind warns (and may deadlock) if request_timeout >= matchmaking_time
+    averager_opts = dict(dict(request_timeout=min(3.0, matchmaking_time / 2)), **(averager_opts or {}))
+    # ours, not hivemind's: about how many peers average together, for the groups to change every round
+    expected_peers = averager_opts.pop("expected_peers", None)
+    group_bits = moshpit_group_bits(expected_peers, averager_opts.get("target_group_size"))
+    if group_bits and "initial_group_bits" not in averager_opts:
+        averager_opts["initial_group_bits"] = group_bits
     return dict(
         matchmaking_time=matchmaking_time,
         averaging_timeout=averaging_timeout,
@@ -110,8 +118,7 @@ def hivemind_optimizer_options(
         offload_optimizer=offload_optimizer,
         reuse_grad_buffers=reuse_grad_buffers,
         average_state_every=average_state_every,
-        # hivemind warns (and may deadlock) if request_timeout >= matchmaking_time
-        averager_opts=dict(dict(request_timeout=min(3.0, matchmaking_time / 2)), **(averager_opts or {})),
+        averager_opts=averager_opts,
         tracker_opts=tracker_opts,
         verbose=verbose,
         overlap_max_peers=overlap_max_peers,

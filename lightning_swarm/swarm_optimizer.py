@@ -15,6 +15,8 @@ from typing import Any, Callable, Dict, Optional, Union
 import hivemind
 import torch
 from hivemind.compression import CompressionBase
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Timer
 
 from lightning_swarm import compression as swarm_compression
 from lightning_swarm.hivemind_ext.credentials import PeerCredentials
@@ -85,7 +87,9 @@ def build_swarm_optimizer(
         hivemind_kwargs,
         swarm_auth=swarm_auth,
         use_local_updates=False,
-        client_mode=dht.client_mode,  # hivemind derives None the wrong way round (a client-mode peer would share state)
+        # explicitly the DHT's: hivemind 1.1.12 turns client_mode=None into None (its condition is inverted), and a
+        # client-mode peer then sets a state sharing priority at its first global step, which its averagers refuse
+        client_mode=dht.client_mode,
         grad_compression=codec,
         state_averaging_compression=codec,
         load_state_compression=swarm_compression.resolve_compression(load_state_compression),
@@ -134,3 +138,23 @@ def join_swarm(optimizer: SwarmOptimizer, joining: bool) -> None:
     else:
         with optimizer.tracker.pause_updates():
             optimizer.tracker.update_epoch(optimizer.local_epoch)
+
+
+def trainer_stop_reason(trainer: Optional[Trainer]) -> Optional[str]:
+    """Why ``trainer`` should stop now (it got SIGTERM, its ``max_time`` passed, something set ``should_stop``), or None.
+
+    A SwarmOptimizer waiting for a state download asks this (``SwarmOptimizer.stop_waiting``): hivemind would retry a
+    failing download forever, past both.
+    """
+    if trainer is None:
+        return None
+    if trainer.received_sigterm:
+        return "the trainer received SIGTERM"
+    if trainer.should_stop:
+        return "the trainer was told to stop"
+    for callback in trainer.callbacks:
+        if isinstance(callback, Timer):
+            remaining = callback.time_remaining()
+            if remaining is not None and remaining <= 0:
+                return "the Trainer's max_time has passed"
+    return None

@@ -21,6 +21,11 @@ Every private name used is listed in :data:`~lightning_swarm.hivemind_ext.privat
       ``update_triggered``, ``update_finished``.
     - ``Matchmaking.potential_leaders``, ``DecentralizedAverager._matchmaking``: where the search is swapped in.
     - ``MAX_DHT_TIME_DISCREPANCY_SECONDS``: the loop's margin, as in hivemind.
+``group_keys`` (groups that change every round: random initial group bits, a lonely peer moves to another key)
+    - ``GroupKeyManager.update_key_on_not_enough_peers``: overridden (hivemind's is a stub); it sets
+      ``GroupKeyManager.group_bits`` and logs ``GroupKeyManager.prefix``.
+    - ``Matchmaking.group_key_manager``, ``DecentralizedAverager._matchmaking``: where the key manager's class is
+      switched, as hivemind assigns the matchmaking.
 ``tracker`` (progress published at a bounded rate)
     - ``ProgressTracker._parse_swarm_progress_data`` and ``ProgressTracker._local_public_key``: count our own
       samples from the live progress, not from our possibly older DHT record.
@@ -53,6 +58,8 @@ Every private name used is listed in :data:`~lightning_swarm.hivemind_ext.privat
     - ``AllReduceRunner._get_peer_stub``: extended, a reducer's results are checked first (a malformed one keeps
       the local values of its slice); it reads ``TensorPartContainer._input_parts_by_peer``.
 ``finite_state`` (a downloaded state with NaN/Inf is refused): public API only (``load_state_from_peers``).
+``lifetime`` (the DHT's and the averagers' processes, and p2pd, die with the trainer, also on SIGKILL): public API only
+    (``run`` of hivemind's ``multiprocessing.Process`` subclasses, overridden to start a watchdog thread in the child).
 ``state`` (the monitor moving a state averager to another epoch)
     - ``TrainingStateAverager._update_scheduler``: steps the LR schedule to the new epoch.
     - ``ProgressTracker.training_progress_key``'s format: the monitor announces a reverted epoch under it.

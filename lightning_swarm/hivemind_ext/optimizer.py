@@ -2,7 +2,7 @@
 
 Each hivemind peer runs a DHT process and two averager processes next to training. Left as they are, they take a
 good part of a CPU core even when the peer is alone, which costs training throughput wherever cores are scarce.
-SwarmOptimizer changes seven things and nothing else:
+SwarmOptimizer changes these things and nothing else:
 - progress is published through :class:`~lightning_swarm.hivemind_ext.tracker.ThrottledProgressTracker` (not a
   DHT store on every local step);
 - both averagers search for groups through
@@ -16,7 +16,9 @@ SwarmOptimizer changes seven things and nothing else:
   and a groupmate's part that arrives before its group is registered waits for it
   (:mod:`~lightning_swarm.hivemind_ext.round_groups`); docs/swarm-at-scale.md has the measurements;
 - a newcomer's state download is verified, logged and retried, and skips the gradient buffers
-  (:mod:`~lightning_swarm.hivemind_ext.state_download`);
+  (:mod:`~lightning_swarm.hivemind_ext.state_download`); its retries end when ``stop_waiting()`` says so;
+- ``client_mode`` left to None is the DHT's (hivemind 1.1.12 keeps None, and a client-mode peer then dies at its
+  first global step setting a state sharing priority its averagers refuse);
 - the process keeps its Ctrl+C: hivemind's averagers set SIGINT to "ignore" in the process that starts them (so that
   their children ignore it), which left a training peer, or a notebook's kernel, deaf to Ctrl+C and Jupyter's
   interrupt; the handler is put back once they started (their children still ignore it, and the trainer's
@@ -29,7 +31,7 @@ import functools
 import logging
 import signal
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 import hivemind
 from hivemind.optim.progress_tracker import ProgressTracker
@@ -40,8 +42,10 @@ from lightning_swarm.hivemind_ext.credentials import PeerCredentials
 from lightning_swarm.hivemind_ext.finite_state import FiniteStateDownload
 from lightning_swarm.hivemind_ext.gathered_checks import CheckedGatheredData
 from lightning_swarm.hivemind_ext.grad_averager import SampleWeightedGradientAverager
+from lightning_swarm.hivemind_ext.group_keys import MovingGroupKeys
+from lightning_swarm.hivemind_ext.lifetime import DiesWithParent
 from lightning_swarm.hivemind_ext.matchmaking import ThrottledLeaderSearch
-from lightning_swarm.hivemind_ext.state_download import NoStateDownload, VerifiedStateDownload
+from lightning_swarm.hivemind_ext.state_download import NoStateDownload, StateDownloadStopped, VerifiedStateDownload
 from lightning_swarm.hivemind_ext.state_serving import GuardedStateServing
 from lightning_swarm.hivemind_ext.robust_allreduce import RobustAveraging
 from lightning_swarm.hivemind_ext.round_groups import PatientGroupRegistration
@@ -76,9 +80,9 @@ class HivemindRpcNames:
         return hivemind_class._get_handle_name(namespace, method_name)
 
 
-class SwarmGradientAverager(HivemindRpcNames, AuthenticatedAveraging, CheckedGatheredData, GuardedStateServing,
-                            PatientGroupRegistration, ThrottledLeaderSearch, ProgressBoundedWeights,
-                            SampleWeightedGradientAverager, NoStateDownload):
+class SwarmGradientAverager(DiesWithParent, HivemindRpcNames, AuthenticatedAveraging, CheckedGatheredData,
+                            GuardedStateServing, PatientGroupRegistration, MovingGroupKeys, ThrottledLeaderSearch,
+                            ProgressBoundedWeights, SampleWeightedGradientAverager, NoStateDownload):
     """Gradient averager of a SwarmOptimizer: mean over samples, throttled leader search (``leader_poll_interval``),
     groupmates' parts wait for their group to be registered (:mod:`~lightning_swarm.hivemind_ext.round_groups`),
     screened all-reduce (``aggregation``, ``centered_clip_tau``, ``centered_clip_iters``,
@@ -87,19 +91,21 @@ class SwarmGradientAverager(HivemindRpcNames, AuthenticatedAveraging, CheckedGat
     (they are reset right after), its own are served to at most ``max_state_downloads`` requesters at once, one
     download each (:mod:`~lightning_swarm.hivemind_ext.state_serving`); in a run with an authority only authenticated
     peers share a group and download state (``swarm_auth``); a member's malformed gathered data does not fail the
-    round (:mod:`~lightning_swarm.hivemind_ext.gathered_checks`)."""
+    round (:mod:`~lightning_swarm.hivemind_ext.gathered_checks`); its process dies with the trainer
+    (:mod:`~lightning_swarm.hivemind_ext.lifetime`)."""
 
 
-class SwarmStateAverager(HivemindRpcNames, AuthenticatedAveraging, CheckedGatheredData, GuardedStateServing,
-                         PatientGroupRegistration, ThrottledLeaderSearch, RobustAveraging, TrainingStateAverager,
-                         FiniteStateDownload, VerifiedStateDownload):
+class SwarmStateAverager(DiesWithParent, HivemindRpcNames, AuthenticatedAveraging, CheckedGatheredData,
+                         GuardedStateServing, PatientGroupRegistration, MovingGroupKeys, ThrottledLeaderSearch,
+                         RobustAveraging, TrainingStateAverager, FiniteStateDownload, VerifiedStateDownload):
     """State averager of a SwarmOptimizer: hivemind's TrainingStateAverager with a throttled leader search,
     groupmates' parts that wait for their group to be registered (:mod:`~lightning_swarm.hivemind_ext.round_groups`),
     a screened all-reduce (every peer has weight 1 in state averaging: ``max_sender_weight=1``), a verified, retried
     state download (``state_download_attempts``) and no non-finite downloaded state, its own state served to at most
     ``max_state_downloads`` requesters at once, one download each, and a member's malformed gathered data does not fail
     the round; in a run with an authority, groups of authenticated peers only, state from plausible donors (or the one
-    a moderator's revert names) and to token holders only."""
+    a moderator's revert names) and to token holders only; its process dies with the trainer
+    (:mod:`~lightning_swarm.hivemind_ext.lifetime`)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("max_sender_weight", 1.0)
@@ -124,13 +130,18 @@ class SwarmOptimizer(hivemind.Optimizer):
     :mod:`lightning_swarm.hivemind_ext.auth_guards`); the DHT must have been created with its authorizer.
     ``overlap_max_peers`` (default 2; None: no limit): if ``delay_optimizer_step`` or ``delay_grad_averaging`` is on,
     they (and ``delay_state_averaging``, if on) apply while the swarm has at most this many peers; in a larger
-    swarm this peer averages synchronously, and says so in the log when it switches.
+    swarm this peer averages synchronously, and says so in the log when it switches. ``client_mode`` left out (or
+    None) is the DHT's, as hivemind documents but 1.1.12 does not do.
     """
 
     def __init__(self, *args, grad_averager_factory=SwarmGradientAverager, robust_averaging_opts=None,
                  swarm_auth: Optional[PeerCredentials] = None,
                  overlap_max_peers: Optional[int] = DEFAULT_OVERLAP_MAX_PEERS, **kwargs):
         self.overlap_max_peers = check_overlap_max_peers(overlap_max_peers)
+        if kwargs.get("client_mode") is None and kwargs.get("dht") is not None:
+            # hivemind 1.1.12 keeps None here (its condition is inverted): a client-mode peer would then set a state
+            # sharing priority at its first global step, which its averagers refuse with a ValueError
+            kwargs["client_mode"] = kwargs["dht"].client_mode
         self.robust_averaging_opts = dict(robust_averaging_opts or {})  # read by _make_state_averager in super()
         self.swarm_auth = swarm_auth  # read by the factories below, which hivemind calls from its __init__
         if swarm_auth is not None and grad_averager_factory is not None:  # None: local updates, no such averager
@@ -143,7 +154,27 @@ class SwarmOptimizer(hivemind.Optimizer):
             if interrupt_handler is not None and signal.getsignal(signal.SIGINT) is not interrupt_handler:
                 signal.signal(signal.SIGINT, interrupt_handler)  # hivemind's averagers set SIG_IGN (module docstring)
         self.requested_overlap = {name: getattr(self, name) for name in OVERLAP_OPTIONS}  # as configured
+        self.download_abandoned: Optional[str] = None  # why a state download was abandoned (see stop_waiting)
         self.overlapping = True  # whether the requested overlap options are in force
+
+    @property
+    def stop_waiting(self) -> Optional[Callable[[], Optional[str]]]:
+        """A callable giving why this peer should stop (its trainer got SIGTERM, reached max_time...) or None: a state
+        download in progress is then abandoned, see :meth:`load_state_from_peers`."""
+        return self.state_averager.stop_waiting
+
+    @stop_waiting.setter
+    def stop_waiting(self, check: Optional[Callable[[], Optional[str]]]) -> None:
+        self.state_averager.stop_waiting = check
+
+    def load_state_from_peers(self, **kwargs) -> None:
+        """hivemind's (which retries forever), abandoned when ``stop_waiting()`` gives a reason: then nothing is
+        loaded, ``download_abandoned`` holds the reason and the caller should stop training."""
+        try:
+            super().load_state_from_peers(**kwargs)
+        except StateDownloadStopped as e:
+            log.warning(f"[lightning_swarm] {e}")
+            self.download_abandoned = str(e)
 
     def step(self, *args, **kwargs):
         self._choose_overlap()

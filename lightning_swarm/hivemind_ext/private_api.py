@@ -99,6 +99,19 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
     + _symbols("hivemind.averaging.averager", "matchmaking", [
         ("DecentralizedAverager._matchmaking", "intercepted as hivemind assigns it, to swap in the throttled search"),
     ], instance=True)
+    + _symbols("hivemind.averaging.key_manager", "group_keys", [
+        ("GroupKeyManager.update_key_on_not_enough_peers", "overridden: a peer alone under its key moves to another"),
+    ])
+    + _symbols("hivemind.averaging.key_manager", "group_keys", [
+        ("GroupKeyManager.group_bits", "the peer's current group key bits, replaced when it moves"),
+        ("GroupKeyManager.prefix", "the averager's key prefix, for the log"),
+    ], instance=True)
+    + _symbols(_MATCHMAKING, "group_keys", [
+        ("Matchmaking.group_key_manager", "its class is switched to MovingGroupKeyManager"),
+    ], instance=True)
+    + _symbols("hivemind.averaging.averager", "group_keys", [
+        ("DecentralizedAverager._matchmaking", "intercepted as hivemind assigns it, to switch its key manager"),
+    ], instance=True)
     + _symbols("hivemind.utils.timed_storage", "matchmaking", [
         ("MAX_DHT_TIME_DISCREPANCY_SECONDS", "the search loop's margin, as in hivemind"),
     ])

@@ -24,10 +24,11 @@ partial is ever deserialised or loaded.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import math
 import random
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from hivemind.averaging.averager import DecentralizedAverager
@@ -54,10 +55,18 @@ DEFAULT_ATTEMPTS = 3  # rounds over all donors per call; hivemind.Optimizer call
 PROGRESS_LOG_INTERVAL = 5.0
 # the donor's metadata (epoch, group bits, the optimizer's non-tensor state): kilobytes for honest states
 MAX_METADATA_BYTES = 16 * 2**20
+STOP_POLL_INTERVAL = 0.5  # seconds between two looks at the host's stop condition while it waits for a download
 
 
 class StateDownloadError(RuntimeError):
     """No donor sent a complete, well-formed state."""
+
+
+class StateDownloadStopped(KeyboardInterrupt):
+    """The host stopped waiting for a state download (its trainer got SIGTERM or reached ``max_time``).
+
+    A KeyboardInterrupt because hivemind.Optimizer.load_state_from_peers retries on every other exception, forever;
+    :class:`~lightning_swarm.hivemind_ext.optimizer.SwarmOptimizer` catches it and returns."""
 
 
 class _TensorAssembler:
@@ -161,14 +170,29 @@ class VerifiedStateDownload(DecentralizedAverager):
         if state_download_attempts < 1:
             raise ValueError(f"state_download_attempts must be >= 1, got {state_download_attempts!r}")
         self.state_download_attempts = state_download_attempts
+        # in the host process: returns why to stop waiting for a download (None: go on); set by the host's owner
+        self.stop_waiting: Optional[Callable[[], Optional[str]]] = None
         super().__init__(*args, **kwargs)  # may start the averager's process: set everything it reads before
 
     def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None):
         """Download the state; `timeout` bounds each donor's silence (a stall), not the whole download, which may
-        take long over a slow link. Raises StateDownloadError if donors exist but none sent a whole state."""
+        take long over a slow link. Raises StateDownloadError if donors exist but none sent a whole state, and
+        StateDownloadStopped as soon as ``stop_waiting()`` gives a reason (checked every STOP_POLL_INTERVAL s)."""
+        self._check_stop()
         future = MPFuture()
         self._outer_pipe.send(("_load_state_from_peers", [], dict(timeout=timeout, future=future)))
-        return future.result() if wait else future
+        if not wait:
+            return future
+        while True:
+            try:
+                return future.result(timeout=STOP_POLL_INTERVAL)
+            except concurrent.futures.TimeoutError:
+                self._check_stop()  # the averager's process finishes that attempt alone; nothing of it is loaded
+
+    def _check_stop(self) -> None:
+        reason = self.stop_waiting() if self.stop_waiting is not None else None
+        if reason:
+            raise StateDownloadStopped(f"state download abandoned: {reason}")
 
     def _expected_state(self) -> Tuple[List[torch.Size], List[torch.dtype]]:
         """Shapes and dtypes of the tensors a donor sends, from this peer's own state: a TrainingStateAverager's

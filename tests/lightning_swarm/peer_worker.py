@@ -228,7 +228,8 @@ class SwarmRecorder(pl.Callback):
         published = fetch_metrics(strategy.dht, strategy.run_id)
         self._write_event(kind="end", epoch=strategy.global_epoch, local_step=trainer.global_step,
                           metrics_steps=sorted(record.step for record in published.values()),
-                          elapsed=time.perf_counter() - self._start, samples=strategy.stats.samples_contributed,
+                          elapsed=time.perf_counter() - self._start if self._start is not None else 0.0,  # 0: no batch
+                          samples=strategy.stats.samples_contributed,
                           time=time.time(), pid=os.getpid(), **cpu_seconds(), **loss_scale(trainer))
 
 

@@ -135,3 +135,28 @@ def test_averagers_answer_under_hivemind_rpc_names(ours, hivemind_class):
     assert "rpc_join_group" in methods
     for method in methods:
         assert ours._get_handle_name("run", method) == hivemind_class._get_handle_name("run", method)
+
+
+def test_client_mode_peer_passes_global_steps(dht):
+    """A client-mode peer (its DHT accepts no connections) whose optimizer leaves client_mode to the DHT, as
+    build_swarm_optimizer used to: it knows it is in client mode and passes global steps. hivemind 1.1.12 alone keeps
+    client_mode=None and dies at the first global step ("State sharing priority is unused")."""
+    client = hivemind.DHT(start=True, client_mode=True, initial_peers=dht.get_visible_maddrs())
+    model = torch.nn.Linear(8, 1)
+    optimizer = SwarmOptimizer(
+        dht=client, run_id="client_alone", target_batch_size=32, batch_size_per_step=16,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1), params=model.parameters(), matchmaking_time=1.0,
+        averaging_timeout=5.0, client_mode=None, verbose=False,
+    )
+    try:
+        assert client.client_mode and optimizer.client_mode is True
+        assert optimizer.state_averager.client_mode and optimizer.grad_averager.client_mode
+        for _ in range(4):  # 2 global epochs
+            model(torch.randn(16, 8)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert optimizer.local_epoch == 2
+        assert not optimizer.state_averager.allow_state_sharing  # nobody can connect to download it
+    finally:
+        optimizer.shutdown()
+        client.shutdown()

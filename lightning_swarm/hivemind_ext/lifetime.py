@@ -1,0 +1,121 @@
+"""A peer's background processes die with it.
+
+A trainer runs hivemind's DHT in a child process (which starts the p2p daemon, p2pd) and each averager in another.
+When the trainer ends normally it shuts them down; when it is killed (SIGKILL, the OOM killer, a preempted notebook)
+nothing does, and they live on with parent 1, still reachable, while the swarm counts on them (a survivor waits on
+their rounds and state downloads). :class:`DiesWithParent` gives such a child a watchdog thread that notices its
+parent is gone (its parent pid changed: it was re-parented) and then kills every process it started (p2pd) and
+itself, within about ``parent_poll_interval`` seconds.
+
+A thread rather than ``prctl(PR_SET_PDEATHSIG)``: that signal fires when the parent *thread* that started the child
+ends (not the process), it is Linux-only, and the DHT process must outlive its p2pd's kill; the thread works with
+any multiprocessing start method (it starts in ``run``, in the child). Public hivemind API only (``run`` of its
+``multiprocessing.Process`` subclasses).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Dict, List, Optional
+
+import hivemind
+
+DEFAULT_PARENT_POLL_INTERVAL = 0.5  # seconds: an orphan lives at most about this long (a few getppid() calls a second)
+
+
+def _children_by_parent() -> Dict[int, List[int]]:
+    """Every process's children, from /proc (Linux) or ``ps`` (macOS)."""
+    children: Dict[int, List[int]] = {}
+    if os.path.isdir("/proc"):
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):  # exited meanwhile
+                    continue
+                children.setdefault(parent, []).append(int(entry))
+        return children
+    try:
+        output = subprocess.run(["ps", "-A", "-o", "pid=,ppid="], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return children
+    for line in output.splitlines():
+        fields = line.split()
+        if len(fields) == 2 and all(field.isdigit() for field in fields):
+            children.setdefault(int(fields[1]), []).append(int(fields[0]))
+    return children
+
+
+def descendants(pid: int) -> List[int]:
+    """Processes started by ``pid``, and by them, and so on (children before grandchildren)."""
+    children, found, queue = _children_by_parent(), [], [pid]
+    while queue:
+        for child in children.get(queue.pop(0), []):
+            found.append(child)
+            queue.append(child)
+    return found
+
+
+def _kill_tree_and_self(parent_pid: int, name: str) -> None:
+    print(f"[lightning_swarm] {name} (pid {os.getpid()}): the trainer (pid {parent_pid}) is gone, stopping "
+          "with it", file=sys.stderr, flush=True)
+    for pid in descendants(os.getpid()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:  # exited meanwhile
+            pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's (the pid was reused)
+        return True
+    return True
+
+
+def watch_parent(parent_pid: int, interval: float, name: str, creator_pid: Optional[int] = None) -> threading.Thread:
+    """Start a daemon thread that, once this process's parent is no longer ``parent_pid`` (or at once if
+    ``creator_pid``, the process that asked for this one, is already gone), SIGKILLs every process this one started
+    and then this one. Returns the thread."""
+
+    def watch() -> None:
+        if creator_pid is None or _alive(creator_pid):
+            while os.getppid() == parent_pid:
+                time.sleep(interval)
+        _kill_tree_and_self(creator_pid or parent_pid, name)
+
+    thread = threading.Thread(target=watch, name="lightning_swarm.parent_watchdog", daemon=True)
+    thread.start()
+    return thread
+
+
+class DiesWithParent:
+    """Mixin for a hivemind class that runs as a child process (``hivemind.DHT``, the averagers): the child stops,
+    with every process it started (p2pd), within about ``parent_poll_interval`` seconds of the death of the process
+    that created the object (see the module docstring)."""
+
+    parent_poll_interval: float = DEFAULT_PARENT_POLL_INTERVAL
+
+    def __init__(self, *args, **kwargs):
+        self._creator_pid = os.getpid()  # before hivemind's __init__, which may start the process
+        super().__init__(*args, **kwargs)
+
+    def run(self):
+        if os.getpid() != self._creator_pid:  # in the child (run() called directly would watch our own parent)
+            # the parent is the creator (fork, spawn) or a forkserver, which ends when the creator does
+            watch_parent(os.getppid(), self.parent_poll_interval, type(self).__name__, creator_pid=self._creator_pid)
+        return super().run()
+
+
+class SwarmDHT(DiesWithParent, hivemind.DHT):
+    """hivemind.DHT (same arguments) whose process and p2p daemon die with the process that created it."""
