@@ -176,6 +176,24 @@ def val_image_losses(run_dir: Path) -> list[tuple[int, float]]:
                 if row.get("val/image_loss")]
 
 
+def final_checkpoint(run_dir: Path) -> dict:
+    """{"name", "global_epoch", "local_step"} of the checkpoint ``checkpoints/latest`` names ({} if none).
+
+    A lone peer takes a global step (an optimizer update, and a step of the LR schedule) when it has
+    ``target_batch_size`` samples, or earlier when hivemind's estimated time of the next epoch has passed (after a
+    validation or a stall of the machine), so the updates per local step depend on timing and are part of the record.
+    """
+    root = run_dir / "checkpoints"
+    try:
+        name = (root / "latest").read_text().strip()
+        if not name or "/" in name or name.startswith("."):
+            return {}
+        meta = json.loads((root / name / "meta.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {"name": name, "global_epoch": meta.get("global_epoch"), "local_step": meta.get("local_step")}
+
+
 def figures(report: dict, val_losses: list[tuple[int, float]]) -> dict[str, float | None]:
     """Issue 28's figures from evaluate's JSON report and the DALL-E fit's validation losses (None: missing)."""
     def get(subset: str, key: str) -> float | None:
@@ -202,7 +220,8 @@ def format_summary(summary: dict) -> str:
         f"commit {summary['commit']}, work directory {summary['workdir']}, HOME {summary['home']}",
         f"machine: {m['cpu_model']}; ATen capability {m['cpu_capability']}; oneDNN bf16 supported "
         f"{m['mkldnn_bf16_supported']} (AVX512-BF16 {m['avx512_bf16']}, AMX {m['amx']}); oneDNN ISA {m['onednn_isa']}; "
-        f"MKL ISA {m['mkl_isa'] or '-'}; fp32 linear {m['fp32_linear_kernel']}; torch {m['torch']}, {m['threads']} threads",
+        f"MKL ISA {m['mkl_isa'] or '-'}; fp32 linear {m['fp32_linear_kernel']}; torch {m['torch']}, "
+        f"{m['threads']} threads",
         f"precision: auto -> {m['precision_auto']} ({m['precision_reason']})"
         + (f"; the fits ran {summary['precision_override']}" if summary.get("precision_override") else ""),
         f"environment: {' '.join(f'{k}={v}' for k, v in summary['env'].items()) or 'as given'}",
@@ -223,6 +242,10 @@ def format_summary(summary: dict) -> str:
         f"{fmt(f['two_shape_random'])} | {fmt(f['two_shape_top1'])} | {fmt(f['held_out_random'])} | "
         f"{fmt(f['held_out_top1'])} | {f['captions'] if f['captions'] is not None else '-'} |",
     ]
+    checkpoint = summary.get("checkpoint") or {}
+    if checkpoint:
+        lines.append(f"final checkpoint {checkpoint['name']}: {checkpoint['global_epoch']} global steps (optimizer "
+                     f"updates) in {checkpoint['local_step']} local steps")
     if summary.get("evaluate_table"):
         lines += ["", "evaluate's table:", *summary["evaluate_table"]]
     if summary["val_image_losses"]:
@@ -284,7 +307,7 @@ def run_flow(workdir: Path, *, steps=STEPS, seed: int | None = None, extra: dict
     return {"commit": commit_of(repo), "workdir": str(workdir), "home": env.get("HOME", ""), "env": env_changes,
             "machine": machine, "precision_override": precision_override, "seed": seed, "runs": runs,
             "val_image_losses": val_losses, "figures": figures(report, val_losses), "report": report,
-            "evaluate_table": table}
+            "evaluate_table": table, "checkpoint": final_checkpoint(workdir / DALLE_RUN)}
 
 
 def main(argv: list[str] | None = None) -> int:
