@@ -37,6 +37,7 @@ import json
 import os
 import resource
 import shlex
+import struct
 import subprocess
 import sys
 import tempfile
@@ -167,13 +168,32 @@ def run_command(name: str, argv: list[str], env: dict[str, str], cwd: Path, time
 
 
 def val_image_losses(run_dir: Path) -> list[tuple[int, float]]:
-    """(step, val/image_loss) of every validation in the newest metrics.csv under ``run_dir``."""
-    files = sorted(run_dir.glob("**/metrics.csv"), key=lambda path: path.stat().st_mtime)
-    if not files:
+    """(step, val/image_loss) of every validation the newest logger version under ``run_dir`` recorded.
+
+    Lightning's default logger writes metrics.csv, or TensorBoard event files where tensorboard or tensorboardX is
+    installed (read here with tensorboardX's protobuf classes: records of length, CRC, an Event, CRC).
+    """
+    versions = sorted((path.parent for path in run_dir.glob("**/version_*/hparams.yaml")),
+                      key=lambda path: path.stat().st_mtime)
+    if not versions:
         return []
-    with open(files[-1], newline="") as f:
-        return [(int(row["step"]), float(row["val/image_loss"])) for row in csv.DictReader(f)
-                if row.get("val/image_loss")]
+    csv_file = versions[-1] / "metrics.csv"
+    if csv_file.exists():
+        with open(csv_file, newline="") as f:
+            return [(int(row["step"]), float(row["val/image_loss"])) for row in csv.DictReader(f)
+                    if row.get("val/image_loss")]
+    from tensorboardX.proto.event_pb2 import Event
+
+    losses = []
+    for events in sorted(versions[-1].glob("events.out.tfevents.*")):
+        data, offset = events.read_bytes(), 0
+        while offset + 12 <= len(data):
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            event = Event.FromString(data[offset + 12 : offset + 12 + length])
+            offset += 12 + length + 4
+            losses += [(int(event.step), float(value.simple_value)) for value in event.summary.value
+                       if value.tag == "val/image_loss"]
+    return losses
 
 
 def final_checkpoint(run_dir: Path) -> dict:
