@@ -3,7 +3,7 @@ commands in a fresh directory with a fresh HOME), on tiny models and a few steps
 summary holds the machine record and the evaluate table the full benchmark prints.
 
 Slow: four Python processes that import torch and Lightning (the probe, two fits with a one-peer swarm each,
-evaluate) cost ~40 s of CPU; 42 s wall at a load average of 3 on 2 cores, 180 s at 15."""
+evaluate) cost ~35-40 s of CPU; 34-42 s wall at a load average of 2.5-3 on 2 cores, 180 s at 15."""
 
 import json
 import math
