@@ -1,4 +1,4 @@
-"""What the sample grid (recipes.dalle.sample_grid.SampleGrid, in configs/dalle_tiny.yaml) costs the tiny run.
+"""What the sample grid (recipes.dalle.SampleGrid, in configs/dalle_tiny.yaml) costs the tiny run.
 
 Builds configs/dalle_tiny.yaml's model, data and callbacks (strategy ``auto``: no swarm, no logger), trains
 ``--steps`` local steps (the median step time, after ``--warmup`` steps), then validates ``--validations`` times with
