@@ -1,7 +1,7 @@
 """A 3-peer swarm with one malicious peer (tests/lightning_swarm/byzantine.py), real peers as separate processes
 on 127.0.0.1, with the README's settings for a swarm open to strangers (CenteredClip and its alignment screen, 0.5):
 the two honest peers' parameters stay finite and their validation loss ends at most 10% above that of the same swarm,
-at the strategy's defaults, in which the third peer is honest (an attack may also leave the loss lower: a clipped
+with the same settings, in which the third peer is honest (an attack may also leave the loss lower: a clipped
 x1e3 gradient still points downhill). The weight attacker's claim of 1e9 is lowered to its record and its negated
 gradients lose their weight, and the loud ascent attacker's gradients (x -1e3) theirs, all logged."""
 
@@ -20,7 +20,10 @@ RUN_TIMEOUT = 150.0
 
 @pytest.fixture(scope="module")
 def honest_swarm_loss(tmp_path_factory):
-    params, _ = run_swarm(tmp_path_factory.mktemp("honest"), attack=None, timeout=RUN_TIMEOUT, min_alignment=None)
+    # the clean swarm runs the same open-swarm settings as the attacked ones, so the bound is on what the attacker
+    # costs; what the screen costs an honest swarm is measured apart (docs/security.md, bench_alignment_screen.py)
+    params, _ = run_swarm(tmp_path_factory.mktemp("honest"), attack=None, timeout=RUN_TIMEOUT,
+                          min_alignment=DEFAULT_MIN_ALIGNMENT)
     losses = [validation_loss(p) for p in params]
     initial = validation_loss()
     assert max(losses) < 0.8 * initial, f"the honest swarm did not train: {losses} vs initial {initial}"
