@@ -13,9 +13,12 @@ Each configuration of BENCH_CONFIGS (default "4:16,16:0": target_group_size g an
 peer) and prints, per round: the spread (max - min of the peers' values, over the initial spread), the std over the
 initial std, the group sizes formed, how many distinct group keys the peers hold, and how many peers every
 contribution has reached (the least reached peer's count); at the end, the rounds until the spread fell below 1%
-and until every contribution reached every peer, against log_g(N).
+and until every contribution reached every peer, against log_g(N). BENCH_CLIENTS (default 0): the last this many
+peers run their DHT and averager in client mode (as behind NAT): they lead no group and declare themselves under no
+key, they join a reachable leader under their key.
 
 Run:  python tests/benchmarks/bench_group_mixing.py
+      BENCH_CLIENTS=8 python tests/benchmarks/bench_group_mixing.py
       BENCH_PEERS=8 BENCH_CONFIGS=2:8,4:8,8:0 BENCH_ROUNDS=6 python tests/benchmarks/bench_group_mixing.py
 Peers use 1 torch thread and small tensors: on a 2-core machine the figures are matchmaking-bound, not CPU-bound.
 """
@@ -41,12 +44,13 @@ ROUNDS = int(os.environ.get("BENCH_ROUNDS", "8"))
 FLOATS = int(os.environ.get("BENCH_FLOATS", "65536"))
 MATCHMAKING = float(os.environ.get("BENCH_MATCHMAKING", "4"))  # seconds of matchmaking before each round
 PERIOD = float(os.environ.get("BENCH_PERIOD", "10"))  # seconds between the starts of two rounds
+CLIENTS = int(os.environ.get("BENCH_CLIENTS", "0"))  # the last this many peers run in client mode (behind NAT)
 LOG_DIR = os.environ.get("BENCH_LOG_DIR")  # the peers' stderr goes to files here when set, else nowhere
 START_TIMEOUT = float(os.environ.get("BENCH_START_TIMEOUT", "300"))  # seconds for all peers to start
 
 
-def peer(index: int, num_peers: int, initial_peer: str, floats: int) -> None:
-    """One peer: prints MADDR, then for each line ``<g> <expected_peers or 0> <rounds> <t0>`` on stdin runs that many
+def peer(index: int, num_peers: int, initial_peer: str, floats: int, client_mode: bool) -> None:
+    """One peer (its DHT and averager in client mode if ``client_mode``): prints MADDR, then for each line ``<g> <expected_peers or 0> <rounds> <t0>`` on stdin runs that many
     synchronous rounds starting at wall-clock t0 under a fresh averager and prints one RESULT line; ends at EOF."""
     import hivemind
     import torch
@@ -64,8 +68,9 @@ def peer(index: int, num_peers: int, initial_peer: str, floats: int) -> None:
 
     torch.set_num_threads(1)
     dht = SwarmDHT(initial_peers=[initial_peer] if initial_peer else None, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                   start=True)
-    print("MADDR", dht.get_visible_maddrs()[0], flush=True)
+                   client_mode=client_mode, start=True)
+    maddrs = dht.get_visible_maddrs()
+    print("MADDR", maddrs[0] if maddrs else "none", flush=True)  # a client-mode DHT has none
     averager = None
     for line in sys.stdin:
         group_size, expected_peers, rounds, t0 = line.split()
@@ -79,7 +84,7 @@ def peer(index: int, num_peers: int, initial_peer: str, floats: int) -> None:
             [torch.full((floats,), float(index)), reach], dht=dht, prefix=f"mix_g{group_size}_e{expected_peers}",
             target_group_size=group_size, min_group_size=2, initial_group_bits=bits,
             min_matchmaking_time=MATCHMAKING, request_timeout=min(1.5, MATCHMAKING / 2), next_chunk_timeout=5.0,
-            compression=NoCompression(), start=True)
+            compression=NoCompression(), client_mode=client_mode, start=True)
         history = []
         for k in range(rounds):
             start_at = t0 + k * PERIOD
@@ -110,7 +115,9 @@ def start_peers(num_peers: int) -> list:
 
     def start(index: int, initial: str) -> subprocess.Popen:
         log = open(Path(LOG_DIR) / f"peer{index}.log", "w") if LOG_DIR else None
-        process = subprocess.Popen([sys.executable, __file__, "peer", str(index), str(num_peers), initial, str(FLOATS)],
+        client = str(int(index >= num_peers - CLIENTS))
+        process = subprocess.Popen([sys.executable, __file__, "peer", str(index), str(num_peers), initial, str(FLOATS),
+                                    client],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log or subprocess.DEVNULL,
                                    text=True, start_new_session=True, env=env, bufsize=1)
         processes.append(process)
@@ -194,7 +201,7 @@ def summarize(results: list, num_peers: int, group_size: int) -> dict:
 
 def main() -> None:
     print(f"== {NUM_PEERS} peers on 127.0.0.1, {FLOATS} floats + {NUM_PEERS}-entry reach vector each, no codec, "
-          f"synchronous rounds every {PERIOD:g} s, matchmaking {MATCHMAKING:g} s; "
+          f"synchronous rounds every {PERIOD:g} s, matchmaking {MATCHMAKING:g} s, {CLIENTS} in client mode; "
           f"load average at start {os.getloadavg()[0]:.1f}", flush=True)
     started = time.time()
     processes = start_peers(NUM_PEERS)
@@ -220,6 +227,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "peer":
-        peer(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]))
+        peer(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), sys.argv[6] == "1")
     else:
         main()
