@@ -72,7 +72,7 @@ def peer(index: int, num_peers: int, initial_peer: str, floats: int, client_mode
     maddrs = dht.get_visible_maddrs()
     print("MADDR", maddrs[0] if maddrs else "none", flush=True)  # a client-mode DHT has none
     averager = None
-    for line in sys.stdin:
+    for trial, line in enumerate(sys.stdin):
         group_size, expected_peers, rounds, t0 = line.split()
         group_size, expected_peers, rounds, t0 = int(group_size), int(expected_peers), int(rounds), float(t0)
         if averager is not None:
@@ -81,7 +81,7 @@ def peer(index: int, num_peers: int, initial_peer: str, floats: int, client_mode
         reach = torch.zeros(num_peers)
         reach[index] = 1.0
         averager = MixingAverager(
-            [torch.full((floats,), float(index)), reach], dht=dht, prefix=f"mix_g{group_size}_e{expected_peers}",
+            [torch.full((floats,), float(index)), reach], dht=dht, prefix=f"mix{trial}_g{group_size}_e{expected_peers}",
             target_group_size=group_size, min_group_size=2, initial_group_bits=bits,
             min_matchmaking_time=MATCHMAKING, request_timeout=min(1.5, MATCHMAKING / 2), next_chunk_timeout=5.0,
             compression=NoCompression(), client_mode=client_mode, start=True)
