@@ -9,16 +9,16 @@ peer j's contribution has reached peer i). No codec, so both stay exact. Rounds 
 round k's matchmaking at the same wall-clock time (as peers do at the end of a global epoch).
 
 Each configuration of BENCH_CONFIGS (default "4:16,16:0": target_group_size g and averager_opts.expected_peers,
-0 for none) gets the initial group bits the strategy would set (``moshpit_group_bits(expected_peers, g)``, random per
+0 for none; a third field "stay" leaves client-mode peers that found no group under their key, as hivemind does) gets the initial group bits the strategy would set (``moshpit_group_bits(expected_peers, g)``, random per
 peer) and prints, per round: the spread (max - min of the peers' values, over the initial spread), the std over the
-initial std, the group sizes formed, how many distinct group keys the peers hold, and how many peers every
+initial std, the group sizes formed (size:peers in groups of that size; 0: peers without a group), how many distinct group keys the peers hold, and how many peers every
 contribution has reached (the least reached peer's count); at the end, the rounds until the spread fell below 1%
 and until every contribution reached every peer, against log_g(N). BENCH_CLIENTS (default 0): the last this many
 peers run their DHT and averager in client mode (as behind NAT): they lead no group and declare themselves under no
 key, they join a reachable leader under their key.
 
 Run:  python tests/benchmarks/bench_group_mixing.py
-      BENCH_CLIENTS=8 python tests/benchmarks/bench_group_mixing.py
+      BENCH_CLIENTS=8 BENCH_CONFIGS=4:16:stay,4:16,4:16:stay,4:16 python tests/benchmarks/bench_group_mixing.py
       BENCH_PEERS=8 BENCH_CONFIGS=2:8,4:8,8:0 BENCH_ROUNDS=6 python tests/benchmarks/bench_group_mixing.py
 Peers use 1 torch thread and small tensors: on a 2-core machine the figures are matchmaking-bound, not CPU-bound.
 """
@@ -39,7 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from paths import REPO  # noqa: E402
 
 NUM_PEERS = int(os.environ.get("BENCH_PEERS", "16"))
-CONFIGS = [tuple(int(x) for x in config.split(":")) for config in os.environ.get("BENCH_CONFIGS", "4:16,16:0").split(",")]
+# "g:expected_peers", or "g:expected_peers:stay": client-mode peers that found no group stay under their key, as in
+# hivemind (without lightning_swarm's move, for a side-by-side comparison)
+CONFIGS = [config.split(":") for config in os.environ.get("BENCH_CONFIGS", "4:16,16:0").split(",")]
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "8"))
 FLOATS = int(os.environ.get("BENCH_FLOATS", "65536"))
 MATCHMAKING = float(os.environ.get("BENCH_MATCHMAKING", "4"))  # seconds of matchmaking before each round
@@ -50,13 +52,15 @@ START_TIMEOUT = float(os.environ.get("BENCH_START_TIMEOUT", "300"))  # seconds f
 
 
 def peer(index: int, num_peers: int, initial_peer: str, floats: int, client_mode: bool) -> None:
-    """One peer (its DHT and averager in client mode if ``client_mode``): prints MADDR, then for each line ``<g> <expected_peers or 0> <rounds> <t0>`` on stdin runs that many
+    """One peer (its DHT and averager in client mode if ``client_mode``): prints MADDR, then for each line
+    ``<g> <expected_peers or 0> <rounds> <t0> <move|stay>`` on stdin runs that many
     synchronous rounds starting at wall-clock t0 under a fresh averager and prints one RESULT line; ends at EOF."""
     import hivemind
     import torch
     from hivemind.averaging import DecentralizedAverager
     from hivemind.compression import NoCompression
 
+    from lightning_swarm.hivemind_ext import group_keys
     from lightning_swarm.hivemind_ext.group_keys import MovingGroupKeys, moshpit_group_bits
     from lightning_swarm.hivemind_ext.lifetime import DiesWithParent, SwarmDHT
     from lightning_swarm.hivemind_ext.matchmaking import ThrottledLeaderSearch
@@ -72,9 +76,12 @@ def peer(index: int, num_peers: int, initial_peer: str, floats: int, client_mode
     maddrs = dht.get_visible_maddrs()
     print("MADDR", maddrs[0] if maddrs else "none", flush=True)  # a client-mode DHT has none
     averager = None
+    moves = group_keys._move_after_failed_search
     for trial, line in enumerate(sys.stdin):
-        group_size, expected_peers, rounds, t0 = line.split()
+        group_size, expected_peers, rounds, t0, client_keys = line.split()
         group_size, expected_peers, rounds, t0 = int(group_size), int(expected_peers), int(rounds), float(t0)
+        # read in the averager's process, forked below: "stay" leaves a client's key where hivemind leaves it
+        group_keys._move_after_failed_search = moves if client_keys == "move" else (lambda matchmaking: None)
         if averager is not None:
             averager.shutdown()
         bits = moshpit_group_bits(expected_peers or None, group_size)
@@ -150,11 +157,11 @@ def stop_peers(processes: list) -> None:
             process.wait()
 
 
-def run_config(processes: list, group_size: int, expected_peers: int, rounds: int) -> list:
+def run_config(processes: list, group_size: int, expected_peers: int, rounds: int, client_keys: str) -> list:
     """One configuration on the running peers; returns their RESULTs (None for a peer that printed none)."""
     t0 = time.time() + 15.0  # every peer has built its averager by then
     for process in processes:
-        process.stdin.write(f"{group_size} {expected_peers} {rounds} {t0}\n")
+        process.stdin.write(f"{group_size} {expected_peers} {rounds} {t0} {client_keys}\n")
         process.stdin.flush()
     # a peer that hangs is killed, so that reading its output below ends
     limit = 15.0 + rounds * PERIOD + 60.0
@@ -181,11 +188,10 @@ def summarize(results: list, num_peers: int, group_size: int) -> dict:
         values = [r["rounds"][k]["value"] for r in done]
         spread = (max(values) - min(values)) / spread0
         sizes = sorted((r["rounds"][k]["group_size"] for r in done), reverse=True)
-        # each group of s members reports s once per member: count groups as members / size
-        groups = {}
+        members = {}  # group size -> peers that reported a group of that size (0: no group, a failed round)
         for size in sizes:
-            groups[size] = groups.get(size, 0) + 1
-        group_sizes = [f"{size}x{count // size if size else count}" for size, count in groups.items()]
+            members[size] = members.get(size, 0) + 1
+        group_sizes = [f"{size}:{count}" for size, count in members.items()]
         min_reach = min(r["rounds"][k]["reached"] for r in done)
         rows.append(dict(round=k + 1, spread=spread, std=statistics.pstdev(values) / std0,
                          groups=" ".join(group_sizes),
@@ -207,15 +213,18 @@ def main() -> None:
     processes = start_peers(NUM_PEERS)
     try:
         print(f"   {NUM_PEERS} peers started in {time.time() - started:.0f} s", flush=True)
-        for group_size, expected_peers in CONFIGS:
-            results = run_config(processes, group_size, expected_peers, ROUNDS)
+        for config in CONFIGS:
+            group_size, expected_peers = int(config[0]), int(config[1])
+            client_keys = config[2] if len(config) > 2 else "move"
+            results = run_config(processes, group_size, expected_peers, ROUNDS, client_keys)
             bits = sorted({r["bits"] for r in results if r is not None})
             summary = summarize(results, NUM_PEERS, group_size)
-            print(f"-- target_group_size={group_size}, expected_peers={expected_peers or None}: initial bits "
+            print(f"-- target_group_size={group_size}, expected_peers={expected_peers or None}"
+                  f"{', client-mode peers stay under their key (hivemind)' if client_keys == 'stay' else ''}: initial bits "
                   f"{bits or ['']} (log_g(N) = {summary['log_bound']:.2f}); load average "
                   f"{os.getloadavg()[0]:.1f}", flush=True)
-            print(f"{'round':>5s} {'spread':>8s} {'std':>8s} {'keys':>4s} {'min reach':>9s} {'s/round':>7s}  groups "
-                  "(size x count)")
+            print(f"{'round':>5s} {'spread':>8s} {'std':>8s} {'keys':>4s} {'min reach':>9s} {'s/round':>7s}  group size:"
+                  "peers in such groups (0: no group)")
             for row in summary["rows"]:
                 print(f"{row['round']:5d} {row['spread']:8.4f} {row['std']:8.4f} {row['keys_before']:4d} "
                       f"{row['min_reach']:9d} {row['seconds']:7.1f}  {row['groups']}")
