@@ -9,13 +9,15 @@ peer j's contribution has reached peer i). No codec, so both stay exact. Rounds 
 round k's matchmaking at the same wall-clock time (as peers do at the end of a global epoch).
 
 Each configuration of BENCH_CONFIGS (default "4:16,16:0": target_group_size g and averager_opts.expected_peers,
-0 for none; a third field "stay" leaves client-mode peers that found no group under their key, as hivemind does) gets the initial group bits the strategy would set (``moshpit_group_bits(expected_peers, g)``, random per
-peer) and prints, per round: the spread (max - min of the peers' values, over the initial spread), the std over the
-initial std, the group sizes formed (size:peers in groups of that size; 0: peers without a group), how many distinct group keys the peers hold, and how many peers every
-contribution has reached (the least reached peer's count); at the end, the rounds until the spread fell below 1%
-and until every contribution reached every peer, against log_g(N). BENCH_CLIENTS (default 0): the last this many
-peers run their DHT and averager in client mode (as behind NAT): they lead no group and declare themselves under no
-key, they join a reachable leader under their key.
+0 for none; a third field "stay" leaves client-mode peers that found no group under their key, as hivemind does)
+gets the initial group bits the strategy would set (``moshpit_group_bits(expected_peers, g)``, random per peer) and
+prints, per round: the spread (max - min of the peers' values, over the initial spread), the std over the initial
+std, the group sizes formed (size:peers in groups of that size; 0: peers without a group), how many distinct group
+keys the peers hold, and how many peers every contribution has reached (the least reached peer's count); at the
+end, the rounds until the spread fell below 1% and until every contribution reached every peer, against log_g(N).
+BENCH_CLIENTS (default 0): the last this many peers run their DHT and averager in client mode (as behind NAT): they
+lead no group and declare themselves under no key, they join a reachable leader under their key. A peer that prints
+no result within a configuration's time ends the run (its watchdog kills every peer).
 
 Run:  python tests/benchmarks/bench_group_mixing.py
       BENCH_CLIENTS=8 BENCH_CONFIGS=4:16:stay,4:16,4:16:stay,4:16 python tests/benchmarks/bench_group_mixing.py
@@ -219,12 +221,12 @@ def main() -> None:
             results = run_config(processes, group_size, expected_peers, ROUNDS, client_keys)
             bits = sorted({r["bits"] for r in results if r is not None})
             summary = summarize(results, NUM_PEERS, group_size)
-            print(f"-- target_group_size={group_size}, expected_peers={expected_peers or None}"
-                  f"{', client-mode peers stay under their key (hivemind)' if client_keys == 'stay' else ''}: initial bits "
+            stay = ", client-mode peers stay under their key (hivemind)" if client_keys == "stay" else ""
+            print(f"-- target_group_size={group_size}, expected_peers={expected_peers or None}{stay}: initial bits "
                   f"{bits or ['']} (log_g(N) = {summary['log_bound']:.2f}); load average "
                   f"{os.getloadavg()[0]:.1f}", flush=True)
-            print(f"{'round':>5s} {'spread':>8s} {'std':>8s} {'keys':>4s} {'min reach':>9s} {'s/round':>7s}  group size:"
-                  "peers in such groups (0: no group)")
+            print(f"{'round':>5s} {'spread':>8s} {'std':>8s} {'keys':>4s} {'min reach':>9s} {'s/round':>7s}  "
+                  "group size:peers in such groups (0: no group)")
             for row in summary["rows"]:
                 print(f"{row['round']:5d} {row['spread']:8.4f} {row['std']:8.4f} {row['keys_before']:4d} "
                       f"{row['min_reach']:9d} {row['seconds']:7.1f}  {row['groups']}")
