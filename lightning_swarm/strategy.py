@@ -119,8 +119,8 @@ class HivemindStrategy(SingleDeviceStrategy):
             ``expected_peers``: with ``target_group_size`` g below it, each peer starts under a random one of
             ``expected_peers / g`` group keys (hivemind's ``initial_group_bits``), so groups change every round
             and every peer's contribution reaches all in about log_g(expected_peers) rounds; a peer that finds no
-            group under its key moves to another (:mod:`lightning_swarm.hivemind_ext.group_keys`). Unset: one key,
-            hivemind's default.
+            group under its key (a client-mode one too) moves to another
+            (:mod:`lightning_swarm.hivemind_ext.group_keys`). Unset: one key, hivemind's default.
         tracker_opts: extra keyword arguments for hivemind's ProgressTracker (e.g. ``{"max_refresh_period": 2}``),
             plus ``min_report_interval`` (default: ``min_refresh_period``, 0.5 s): this peer publishes its
             progress to the DHT at most that often (and every half fetch interval, which is longer early in an

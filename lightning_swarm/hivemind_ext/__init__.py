@@ -26,6 +26,8 @@ Every private name used is listed in :data:`~lightning_swarm.hivemind_ext.privat
       ``GroupKeyManager.group_bits`` and logs ``GroupKeyManager.prefix``.
     - ``Matchmaking.group_key_manager``, ``DecentralizedAverager._matchmaking``: where the key manager's class is
       switched, as hivemind assigns the matchmaking.
+    - ``Matchmaking.look_for_group``, ``Matchmaking.client_mode``: a client-mode peer's search is wrapped, so that
+      one that found no group moves its key too (hivemind only moves declared peers).
 ``tracker`` (progress published at a bounded rate)
     - ``ProgressTracker._parse_swarm_progress_data`` and ``ProgressTracker._local_public_key``: count our own
       samples from the live progress, not from our possibly older DHT record.

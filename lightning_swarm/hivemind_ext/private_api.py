@@ -108,7 +108,11 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
     ], instance=True)
     + _symbols(_MATCHMAKING, "group_keys", [
         ("Matchmaking.group_key_manager", "its class is switched to MovingGroupKeyManager"),
+        ("Matchmaking.client_mode", "a client-mode peer also moves after a search that found no group"),
     ], instance=True)
+    + _symbols(_MATCHMAKING, "group_keys", [
+        ("Matchmaking.look_for_group", "wrapped for client-mode peers: a search that found no group moves the key"),
+    ])
     + _symbols("hivemind.averaging.averager", "group_keys", [
         ("DecentralizedAverager._matchmaking", "intercepted as hivemind assigns it, to switch its key manager"),
     ], instance=True)

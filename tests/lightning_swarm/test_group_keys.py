@@ -142,3 +142,35 @@ def test_an_averager_that_found_no_group_moves_to_another_key(dht):
         assert bits != initial and len(bits) == 16
     finally:
         averager.shutdown()
+
+
+def test_a_client_mode_averager_that_found_no_leader_moves_to_another_key(dht):
+    """A client-mode peer declares itself nowhere, so hivemind never moves it: under a key without a reachable peer
+    it would fail every round. After a search that found no group it looks under another key."""
+    import torch
+    from hivemind.averaging import DecentralizedAverager
+
+    from lightning_swarm.hivemind_ext.group_keys import MovingGroupKeys
+    from lightning_swarm.hivemind_ext.matchmaking import ThrottledLeaderSearch
+
+    class Averager(MovingGroupKeys, ThrottledLeaderSearch, DecentralizedAverager):
+        pass
+
+    class Plain(ThrottledLeaderSearch, DecentralizedAverager):
+        pass
+
+    initial = "0" * 15 + "1"
+    moving, plain = (klass([torch.zeros(4)], dht=dht, prefix=f"client_{klass.__name__}", initial_group_bits=initial,
+                           target_group_size=2, min_matchmaking_time=0.5, request_timeout=0.25, client_mode=True,
+                           start=True) for klass in (Averager, Plain))
+    try:
+        steps = [averager.step(timeout=2, wait=False) for averager in (moving, plain)]  # both at once
+        for step in steps:
+            with pytest.raises(Exception, match="could not find a group"):
+                step.result()
+        assert plain.get_group_bits() == initial  # hivemind's: stays under a key nobody leads
+        bits = moving.get_group_bits()
+        assert bits != initial and len(bits) == 16
+    finally:
+        moving.shutdown()
+        plain.shutdown()
