@@ -137,6 +137,7 @@ class ManyPeerSwarm:
         self.duration, self.memory_interval = duration, memory_interval
         self.peers: List[SimPeer] = []  # the current peer of each slot
         self.retired: List[SimPeer] = []  # peers killed by churn
+        self.late: List[SimPeer] = []  # replacements that were still joining when the swarm stopped
         self.stop_time = float("inf")
         self._started = 0
         self._sessions: set = set()
@@ -218,6 +219,8 @@ class ManyPeerSwarm:
         return new
 
     def check_alive(self) -> None:
+        if time.time() > self.stop_time:  # see wait()
+            return
         for peer in self.peers:
             code = peer.process.poll()
             if code not in (None, 0):
@@ -232,7 +235,12 @@ class ManyPeerSwarm:
             except subprocess.TimeoutExpired:
                 raise TimeoutError(f"{peer.name} still running {grace} s after the stop time:\n"
                                    f"{peer.log()[-3000:]}") from None
-        self.check_alive()
+        for peer in self.peers:
+            # a replacement still joining when the others stopped finds nobody to join: it never trained
+            if peer.process.returncode != 0 and not any(e["kind"] == "start" for e in peer.events()):
+                self.late.append(peer)
+            elif peer.process.returncode != 0:
+                raise RuntimeError(f"{peer.name} exited with {peer.process.returncode}:\n{peer.log()[-4000:]}")
 
     def _sample_memory(self) -> None:
         while not self._closing.wait(self.memory_interval):
@@ -244,6 +252,13 @@ class ManyPeerSwarm:
     def leftovers(self) -> List[int]:
         """Processes of any peer this swarm started that are still alive."""
         return [pid for sid in self._sessions for pid in session_pids(sid)]
+
+    def leftovers_of(self, peer: SimPeer, timeout: float = 5.0) -> List[int]:
+        """Processes of ``peer`` still alive ``timeout`` seconds after it was killed (SIGKILL is asynchronous)."""
+        deadline = time.monotonic() + timeout
+        while session_pids(peer.process.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return session_pids(peer.process.pid)
 
     def close(self) -> None:
         self._closing.set()
@@ -265,3 +280,24 @@ class ManyPeerSwarm:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+# ------------------------------------------------------------------------------------------------------- analysis
+def epoch_events(peers: List[SimPeer]) -> List[Dict[str, Any]]:
+    """Every peer's "epoch" events (how it reached each global epoch), with its name under "peer"."""
+    return [dict(e, peer=peer.name) for peer in peers for e in peer.events() if e["kind"] == "epoch"]
+
+
+def entered(event: Dict[str, Any]) -> bool:
+    """Whether the samples a peer accumulated before this epoch went into the swarm's global step: it stepped one
+    epoch with its own gradients averaged (not a failed round, not a catch-up that discards them)."""
+    return event["previous"] == event["epoch"] - 1 and not any(o in ("failed", "resync") for o in event["outcomes"])
+
+
+def global_batch_sizes(events: List[Dict[str, Any]], last_epoch: int) -> List[int]:
+    """Samples that entered each global step 1..last_epoch (the sum over peers), for :func:`reference_losses`."""
+    sizes = [0] * last_epoch
+    for e in events:
+        if entered(e) and 1 <= e["epoch"] <= last_epoch:
+            sizes[e["epoch"] - 1] += e["samples"]
+    return sizes
