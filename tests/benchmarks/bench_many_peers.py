@@ -60,6 +60,8 @@ EPOCH_SECONDS = float(os.environ.get("BENCH_EPOCH_SECONDS", "15"))
 CHURN_SECONDS = float(os.environ.get("BENCH_CHURN_SECONDS", "30"))
 MPARAMS = float(os.environ.get("BENCH_MPARAMS", "1"))
 KEEP_DIR = os.environ.get("BENCH_KEEP_DIR")
+PEER_GB = 0.95  # measured PSS of one peer (trainer, DHT, averagers, p2pd) at 1M parameters
+MEMORY_WAIT = float(os.environ.get("BENCH_MEMORY_WAIT", "600"))  # seconds to wait for free memory before a run
 PARTIAL = re.compile(r"(Reducer|Averaging): received \d")
 MODEL = dict(num_params=int(MPARAMS * 1e6), num_tensors=4, step_seconds=0.5)
 
@@ -83,7 +85,22 @@ def specs_for(num_peers: int, variant: str) -> list:
     return [PeerSpec(rate, client_mode=client and i % 2 == 1) for i, rate in enumerate(rates)]
 
 
+def available_gb() -> float:
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20
+    return 0.0
+
+
 def run(num_peers: int, variant: str) -> dict:
+    # a peer takes ~0.95 GB (PSS): on a shared machine, wait for room rather than push others' processes out
+    needed = num_peers * PEER_GB + 1.0
+    deadline = time.monotonic() + MEMORY_WAIT
+    while available_gb() < needed:
+        if time.monotonic() > deadline:
+            return {"peers": num_peers, "variant": variant,
+                    "error": f"skipped: {available_gb():.1f} GB available, {needed:.1f} GB needed"}
+        time.sleep(10)
     specs = specs_for(num_peers, variant)
     ideal = sum(spec.samples_per_second for spec in specs)
     root = Path(KEEP_DIR) / f"{num_peers}-{variant}" if KEEP_DIR else Path(tempfile.mkdtemp(prefix="many_peers_"))
