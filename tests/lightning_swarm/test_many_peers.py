@@ -65,7 +65,6 @@ def test_many_peers_follow_one_process_through_churn(tmp_path):
     strategy = dict(run_id="many8", target_batch_size=int(ideal * 5), host_maddrs=LOCAL, matchmaking_time=2.0,
                     averaging_timeout=20.0, load_state_timeout=20.0, metrics_interval=10.0, delay_state_averaging=False,
                     tracker_opts={"min_refresh_period": 0.5, "max_refresh_period": 2.0})
-    started = time.monotonic()
     with ManyPeerSwarm(tmp_path, specs, strategy, MODEL, duration=150) as swarm:
         swarm.start(timeout=150)
 
@@ -89,7 +88,6 @@ def test_many_peers_follow_one_process_through_churn(tmp_path):
         swarm.wait(grace=60)
     assert swarm.leftovers() == []
     assert not swarm.late
-    assert time.monotonic() - started < 300
 
     events = epoch_events(swarm.peers + swarm.retired)
     last = max(e["epoch"] for e in events)
