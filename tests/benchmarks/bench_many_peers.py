@@ -1,0 +1,220 @@
+"""Many peers on one machine (figures printed, nothing asserted): swarms of simulated accelerators
+(tests/lightning_swarm/many_peers.py) of uneven speeds, with and without overlap, client-mode peers and churn.
+
+Each peer runs the real HivemindStrategy (DHT, matchmaking, averaging, 8-bit codec) in its own process group on
+127.0.0.1; its "accelerator" sleeps B / rate seconds per step of B samples and computes a real gradient of a
+known-optimum least-squares problem (tests/lightning_swarm/sim_accelerator.py, P = BENCH_MPARAMS million
+parameters). Speeds spread 1x-10x: peer i of N runs at BENCH_BASE_RATE * (1 + 9 i / (N - 1)) samples/s. The
+target batch is sized as docs/swarm-at-scale.md says (an epoch several times the communication time): the sum of
+the rates times BENCH_EPOCH_SECONDS.
+
+Per run (one row), over the steady window (from BENCH_WARMUP s after every peer took its first step to the stop):
+- swarm/ideal: samples that entered a global step per second, over the sum of the simulated rates of the N slots
+  (a replaced peer's start-up counts as lost time);
+- entered: the share of the samples peers processed that entered a global step (the rest: a peer that fell behind
+  and loaded the state, a failed round, a peer killed before its round);
+- partial: hivemind's partial-round warnings ("Reducer/Averaging: received x%") in all logs of the run;
+- wait s/step: per peer, seconds of its local steps beyond the simulated compute, per global step (mean of peers);
+- loss/ref: the peers' excess loss after the last global step of the window, over one process (computed here) that
+  took SGD steps with the same number of samples per global step (the sum of what the peers reported as entered);
+- RSS/PSS GB per peer (its processes summed: trainer, DHT, averagers, p2pd; max over the run, mean of peers) and
+  background cores per peer (everything but its training thread) beside its training thread's cores.
+
+Run: python tests/benchmarks/bench_many_peers.py                      (2, 4, 8, 16 peers, base variant; then the
+                                                                       variants at 16 peers, ~30 min)
+     BENCH_PEER_COUNTS=8 BENCH_VARIANTS=base,churn python tests/benchmarks/bench_many_peers.py
+Variants: base (synchronous rounds, all reachable), overlap (delay_optimizer_step + delay_grad_averaging forced at
+any size: overlap_max_peers null), client50 (every second peer in client mode), churn (a peer, never the first, is
+SIGKILLed with its whole process group every BENCH_CHURN_SECONDS and a new one of the same speed joins), goal
+(client50 + churn: the issue's goal, >= 0.85 of ideal); a suffix "-sync" (e.g. goal-sync) also makes the state
+rounds synchronous (delay_state_averaging False).
+BENCH_KEEP_DIR=/tmp/many keeps every peer's config, log and events.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paths import REPO  # noqa: E402
+
+sys.path.insert(0, str(REPO / "tests" / "lightning_swarm"))
+from many_peers import ManyPeerSwarm, PeerSpec, entered, epoch_events, global_batch_sizes  # noqa: E402
+from sim_accelerator import reference_losses  # noqa: E402
+
+PEER_COUNTS = [int(n) for n in os.environ.get("BENCH_PEER_COUNTS", "2,4,8,16").split(",")]
+VARIANTS = os.environ.get("BENCH_VARIANTS", "base").split(",")
+BIG_VARIANTS = os.environ.get("BENCH_BIG_VARIANTS", "overlap,client50,churn,goal").split(",")  # at the largest N
+DURATION = float(os.environ.get("BENCH_DURATION", "120"))
+WARMUP = float(os.environ.get("BENCH_WARMUP", "20"))
+BASE_RATE = float(os.environ.get("BENCH_BASE_RATE", "20"))
+EPOCH_SECONDS = float(os.environ.get("BENCH_EPOCH_SECONDS", "15"))
+CHURN_SECONDS = float(os.environ.get("BENCH_CHURN_SECONDS", "30"))
+MPARAMS = float(os.environ.get("BENCH_MPARAMS", "1"))
+KEEP_DIR = os.environ.get("BENCH_KEEP_DIR")
+PEER_GB = 0.95  # measured PSS of one peer (trainer, DHT, averagers, p2pd) at 1M parameters
+MEMORY_WAIT = float(os.environ.get("BENCH_MEMORY_WAIT", "600"))  # seconds to wait for free memory before a run
+PARTIAL = re.compile(r"(Reducer|Averaging): received \d")
+MODEL = dict(num_params=int(MPARAMS * 1e6), num_tensors=4, step_seconds=0.5)
+
+
+def strategy_for(num_peers: int, variant: str, ideal: float) -> dict:
+    strategy = dict(
+        run_id=f"many{num_peers}{variant}", target_batch_size=int(ideal * EPOCH_SECONDS),
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"], matchmaking_time=3.0, averaging_timeout=30.0, load_state_timeout=30.0,
+        metrics_interval=10.0, tracker_opts={"min_refresh_period": 0.5, "max_refresh_period": 3.0},
+    )
+    if variant.endswith("-sync"):  # state rounds synchronous too (hivemind's default runs them in the background)
+        strategy["delay_state_averaging"] = False
+    if variant.startswith("overlap"):
+        strategy.update(delay_optimizer_step=True, delay_grad_averaging=True, overlap_max_peers=None)
+    return strategy
+
+
+def specs_for(num_peers: int, variant: str) -> list:
+    rates = [BASE_RATE * (1 + 9 * i / max(1, num_peers - 1)) for i in range(num_peers)]
+    client = variant.split("-")[0] in ("client50", "goal")
+    return [PeerSpec(rate, client_mode=client and i % 2 == 1) for i, rate in enumerate(rates)]
+
+
+def available_gb() -> float:
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20
+    return 0.0
+
+
+def run(num_peers: int, variant: str) -> dict:
+    # a peer takes ~0.95 GB (PSS): on a shared machine, wait for room rather than push others' processes out
+    needed = num_peers * PEER_GB + 1.0
+    deadline = time.monotonic() + MEMORY_WAIT
+    while available_gb() < needed:
+        if time.monotonic() > deadline:
+            return {"peers": num_peers, "variant": variant,
+                    "error": f"skipped: {available_gb():.1f} GB available, {needed:.1f} GB needed"}
+        time.sleep(10)
+    specs = specs_for(num_peers, variant)
+    ideal = sum(spec.samples_per_second for spec in specs)
+    root = Path(KEEP_DIR) / f"{num_peers}-{variant}" if KEEP_DIR else Path(tempfile.mkdtemp(prefix="many_peers_"))
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    churn = variant.split("-")[0] in ("churn", "goal")
+    load = os.getloadavg()[0]
+    try:
+        with ManyPeerSwarm(root, specs, strategy_for(num_peers, variant, ideal), MODEL, duration=DURATION) as swarm:
+            swarm.start(timeout=400)
+            start = time.time()
+            victims = 0
+            while time.time() < swarm.stop_time:
+                swarm.check_alive()
+                if churn and time.time() >= start + CHURN_SECONDS * (victims + 1) < swarm.stop_time - 40:
+                    swarm.replace(1 + victims % (num_peers - 1))
+                    victims += 1
+                time.sleep(0.5)
+            swarm.wait(grace=120)
+            leftovers_before_close = len(swarm.leftovers())
+        result = analyse(swarm, start + WARMUP, swarm.stop_time, ideal)
+        result.update(peers=num_peers, variant=variant, load=load, replaced=victims, leftovers=len(swarm.leftovers()),
+                      leftovers_at_stop=leftovers_before_close, target=int(ideal * EPOCH_SECONDS))
+        return result
+    finally:
+        if not KEEP_DIR:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def analyse(swarm: ManyPeerSwarm, t0: float, t1: float, ideal: float) -> dict:
+    everyone = swarm.retired + swarm.peers
+    events = {peer.name: peer.events() for peer in everyone}
+    transitions = epoch_events(everyone)
+    step_time = {}  # global epoch -> when the first peer reached it
+    for e in transitions:
+        step_time[e["epoch"]] = min(step_time.get(e["epoch"], float("inf")), e["time"])
+    in_window = sorted(k for k, t in step_time.items() if t0 <= t <= t1)
+    if len(in_window) < 2:
+        return {"error": f"{len(in_window)} global steps in the window"}
+    first, last = in_window[0], in_window[-1]
+    span = step_time[last] - step_time[first]
+
+    window = [e for e in transitions if first < e["epoch"] <= last]
+    entered_samples = sum(e["samples"] for e in window if entered(e))
+    processed = sum(e["samples"] for e in window)
+    for peer in swarm.retired:  # samples a killed peer processed after its last global step
+        ticks = [e for e in events[peer.name] if e["kind"] in ("tick", "epoch")]
+        if ticks and peer.killed and step_time[first] <= peer.killed <= step_time[last]:
+            last_epoch = max((e for e in ticks if e["kind"] == "epoch"), key=lambda e: e["time"], default=None)
+            processed += ticks[-1]["processed"] - (last_epoch["processed"] if last_epoch else 0)
+
+    waits = []
+    for name, peer_events in events.items():
+        epochs = [e for e in peer_events if e["kind"] == "epoch"]
+        deltas = [b["wait"] - a["wait"] for a, b in zip(epochs, epochs[1:]) if first < b["epoch"] <= last]
+        if deltas:
+            waits.append(sum(deltas) / len(deltas))
+
+    reference = reference_losses([max(1, n) for n in global_batch_sizes(transitions, last)], **{
+        k: v for k, v in MODEL.items() if k in ("num_params", "num_tensors")})
+    losses = [e["loss"] for e in transitions if e["epoch"] == last]
+    cpu_main, cpu_background = [], []
+    for peer_events in events.values():
+        ticks = [e for e in peer_events if e["kind"] == "tick" and t0 <= e["time"] <= t1]
+        if len(ticks) >= 2 and ticks[-1]["time"] - ticks[0]["time"] > 10:
+            seconds = ticks[-1]["time"] - ticks[0]["time"]
+            cpu_main.append((ticks[-1]["cpu_main"] - ticks[0]["cpu_main"]) / seconds)
+            cpu_background.append((ticks[-1]["cpu_background"] - ticks[0]["cpu_background"]) / seconds)
+    memory = [max(s["rss_gb"] for s in peer.memory) for peer in everyone if peer.memory]
+    pss = [max(s["pss_gb"] for s in peer.memory) for peer in everyone if peer.memory]
+    return dict(
+        swarm_sps=entered_samples / span, ideal=ideal, ratio=entered_samples / span / ideal,
+        entered=entered_samples / max(1, processed), steps=last - first, partial=sum(
+            len(PARTIAL.findall(peer.log())) for peer in everyone),
+        wait=statistics.mean(waits) if waits else float("nan"),
+        loss_ratio=(statistics.median(losses) / reference[last]) if losses else float("nan"),
+        loss_spread=(max(losses) - min(losses)) / reference[last] if losses else float("nan"), last_epoch=last,
+        rss=statistics.mean(memory) if memory else float("nan"), pss=statistics.mean(pss) if pss else float("nan"),
+        cpu_main=statistics.mean(cpu_main) if cpu_main else float("nan"),
+        cpu_background=statistics.mean(cpu_background) if cpu_background else float("nan"),
+        failed=sum(1 for e in transitions if "failed" in e["outcomes"]),
+        resync=sum(1 for e in transitions if "resync" in e["outcomes"]),
+    )
+
+
+HEADER = ("| peers | variant | target | swarm samples/s (ideal) | swarm/ideal | entered | global steps | partial | "
+          "wait s/step | loss/ref (spread) | failed, resync | replaced | RSS (PSS) GB/peer | cores/peer main, background | "
+          "load avg at start |")
+
+
+def row(r: dict) -> str:
+    if "error" in r:
+        return f"| {r['peers']} | {r['variant']} | {r.get('target')} | {r['error']} |"
+    return (f"| {r['peers']} | {r['variant']} | {r['target']} | {r['swarm_sps']:.0f} ({r['ideal']:.0f}) | "
+            f"{r['ratio']:.2f} | {r['entered']:.3f} | {r['steps']} | {r['partial']} | {r['wait']:.2f} | "
+            f"{r['loss_ratio']:.4f} ({r['loss_spread']:.4f}) | {r['failed']}, {r['resync']} | {r['replaced']} | "
+            f"{r['rss']:.2f} ({r['pss']:.2f}) | {r['cpu_main']:.3f}, {r['cpu_background']:.3f} | {r['load']:.1f} |")
+
+
+def main() -> None:
+    runs = [(n, v) for n in PEER_COUNTS for v in VARIANTS]
+    runs += [(max(PEER_COUNTS), v) for v in BIG_VARIANTS if v and v not in VARIANTS]
+    print(f"== many peers: P = {MPARAMS}M, base rate {BASE_RATE}/s (x1-x10), epochs of ~{EPOCH_SECONDS} s, "
+          f"{DURATION} s per run (window from {WARMUP} s), churn every {CHURN_SECONDS} s", flush=True)
+    print(HEADER)
+    print("|" + "---|" * HEADER.count(" | ") + "---|", flush=True)
+    for num_peers, variant in runs:
+        started = time.strftime("%H:%M:%S", time.gmtime())
+        try:
+            result = run(num_peers, variant)
+        except Exception as e:  # one failed run must not hide the others' figures
+            result = {"peers": num_peers, "variant": variant, "error": f"{type(e).__name__}: {str(e)[:300]!r}"}
+        print(row(result), f"<!-- {started} UTC {json.dumps(result)} -->", flush=True)
+
+
+if __name__ == "__main__":
+    main()
