@@ -15,12 +15,30 @@ from netns_harness import shaped_network
 from swarm_harness import Peer, wait_until
 
 # 10 * HIDDEN + 1 float32 parameters (TinyRegression, SGD without momentum: no optimizer statistics): an 8 MB state,
-# ~7 s over the newcomer's 10 Mbit/s link, while the swarm steps every ~0.5 s (4 local steps of >= 0.1 s)
+# ~7 s over the newcomer's 10 Mbit/s link, while the swarm steps every ~1 s (4 local steps of >= 0.2 s)
 HIDDEN = 200_000
 LINKS = ["home", "poor"]  # A, B: the download is bounded by B's 10 Mbit/s
 DOWNLOADED = re.compile(r"Downloaded state from \S+: ([\d.]+) MB, \d+ tensors in ([\d.]+) s")
 CAUGHT_UP = re.compile(r"training at the swarm's epoch (\d+) on a state of epoch (\d+) \((\d+) behind")
 AVERAGED_WITH_TWO = "Averaged gradients with 2 peers"
+LOG_TIME = re.compile(r"^\w{3} +\d+ (\d\d):(\d\d):(\d\d\.\d+) ", re.MULTILINE)  # hivemind's log lines
+
+
+def _seconds_between(log: str, first: str, then: str):
+    """Seconds from the first log line holding ``first`` to the next one holding ``then`` (None if either is missing;
+    hivemind's timestamps, within one day)."""
+    start = log.find(first)
+    end = log.find(then, start) if start >= 0 else -1
+    if end < 0:
+        return None
+
+    def time_of(position: int) -> float:
+        line_start = log.rfind("\n", 0, position) + 1
+        match = LOG_TIME.match(log, line_start)
+        hours, minutes, seconds = match.groups()
+        return int(hours) * 3600 + int(minutes) * 60 + float(seconds)
+
+    return (time_of(end) - time_of(start)) % 86400
 
 
 def strategy_options(root: Path, max_stale_epochs: int, host_maddrs) -> Dict[str, Any]:
@@ -37,11 +55,12 @@ def run_newcomer_scenario(root: Path, max_stale_epochs: int, donor_epochs: int =
     Returns: downloads (B's completed state downloads), download_s and download_mb (the first one's), caught_up
     (B's log lines: swarm epoch, state epoch, behind), rounds_b (B's gradient rounds with 2 peers), peers_a/peers_b
     (the largest swarm size each recorded), first_round_s (seconds from B's join to its first round with A, None if
-    none), a_epochs (A's epochs during the window), elapsed."""
+    none; B's own start-up included), first_round_after_download_s (from the end of B's first download to its
+    first round with A), a_epochs (A's epochs during the window), elapsed."""
     peers = []
     with shaped_network(LINKS) as net:
         try:
-            model = {"hidden": HIDDEN, "step_delay": 0.1, "lr": 1e-6, "lr_decay": 1.0}
+            model = {"hidden": HIDDEN, "step_delay": 0.2, "lr": 1e-6, "lr_decay": 1.0}
             data = {"batch_size": 4}
             recorder = {"stop_at_epoch": 100_000, "max_seconds": window + 300, "record_params": False}
             a = Peer(root, "a", strategy_options(root, max_stale_epochs, net.host_maddrs(0)), model=model, data=data,
@@ -77,6 +96,7 @@ def run_newcomer_scenario(root: Path, max_stale_epochs: int, donor_epochs: int =
                 peers_a=max((event.get("peers", 0) for event in a.events()), default=0),
                 peers_b=max((event.get("peers", 0) for event in b.events()), default=0),
                 first_round_s=first_round,
+                first_round_after_download_s=_seconds_between(log_b, "Downloaded state from", AVERAGED_WITH_TWO),
                 a_epochs=a.max_epoch() - a_epoch_at_join,
                 elapsed=elapsed,
                 log_b=log_b,
