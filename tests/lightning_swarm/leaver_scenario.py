@@ -30,6 +30,11 @@ def _timed_lines(log: str) -> List[tuple]:
     return [(int(h) * 3600 + int(m) * 60 + float(s), text) for h, m, s, text in LOG_LINE.findall(log)]
 
 
+def _in_round(log: str) -> bool:
+    begins, transitions = list(BEGIN.finditer(log)), list(TRANSITION.finditer(log))
+    return bool(begins) and (not transitions or begins[-1].start() > transitions[-1].start())
+
+
 def rounds(log: str) -> Dict[int, Dict[str, Any]]:
     """{epoch: {"seconds": from "Beginning optimizer step #epoch" to "Transitioning to epoch epoch+1",
     "outcome": the gradient round's log line (e.g. "Averaged gradients with 3 peers"), "start": its time}}."""
@@ -50,7 +55,7 @@ def rounds(log: str) -> Dict[int, Dict[str, Any]]:
 
 def run_leaver_scenario(root: Path, rounds_before: int = 3, rounds_after: int = 3) -> Dict[str, Any]:
     """Three peers (a, b, victim) train until each made ``rounds_before`` gradient rounds with 3 peers; the victim's
-    process group is SIGKILLed 1 s into its next round; returns once both survivors made ``rounds_after`` more global
+    process group is SIGKILLed 1 s after all three began a gradient round; returns once both survivors made ``rounds_after`` more global
     steps (or after 240 s). Returns the survivors' rounds (see :func:`rounds`), the epoch of the victim's last round
     (``killed_in``) and how far into it the kill came (``kill_after_s``)."""
     peers: List[Peer] = []
@@ -77,8 +82,9 @@ def run_leaver_scenario(root: Path, rounds_before: int = 3, rounds_after: int = 
 
             wait_until(lambda: all(with_three(peer) >= rounds_before for peer in peers), 300, peers,
                        f"{rounds_before} rounds of 3 peers")
-            seen = len(BEGIN.findall(victim.log()))
-            wait_until(lambda: len(BEGIN.findall(victim.log())) > seen, 120, peers, "the victim's next round")
+            # peers' epochs may differ by one, and their rounds by a few seconds: wait until all three are in a round
+            # (a "Beginning optimizer step" after their last transition), so that the death hits the survivors' too
+            wait_until(lambda: all(_in_round(peer.log()) for peer in peers), 120, peers, "all three in a round")
             began = time.monotonic()
             killed_in = int(BEGIN.findall(victim.log())[-1])
             time.sleep(1.0)
@@ -103,7 +109,8 @@ def summarize(result: Dict[str, Any]) -> Dict[str, Any]:
     killed_at = result["killed_at"]
     for name, found in result["survivors"].items():
         # the survivor's round under way when the victim died (peers' epochs may differ by one: align by time)
-        hit_epoch = max((epoch for epoch, r in found.items() if r["start"] <= killed_at), default=None)
+        hit_epoch = next((epoch for epoch, r in found.items() if r["seconds"] is not None
+                          and r["start"] <= killed_at <= r["start"] + r["seconds"]), None)
         hit = found.get(hit_epoch) or {}
         before = [r["seconds"] for epoch, r in found.items() if hit_epoch is not None and epoch < hit_epoch
                   and r["seconds"] is not None and r["outcome"] and "with 3 peers" in r["outcome"]]

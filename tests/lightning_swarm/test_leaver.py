@@ -18,8 +18,10 @@ def test_peer_killed_mid_round_costs_its_group_at_most_one_next_chunk_timeout(tm
     result = run_leaver_scenario(tmp_path)
     summary = summarize(result)
     print(result["kill_after_s"], summary)
-    for name, survivor in summary.items():
-        assert survivor["killed_round_s"] is not None and survivor["normal_max_s"] is not None, (name, summary)
+    hit = {name: survivor for name, survivor in summary.items() if survivor["killed_round_s"] is not None}
+    assert hit, f"the death hit no survivor's round: {summary}"
+    for name, survivor in hit.items():
+        assert survivor["normal_max_s"] is not None, (name, summary)
         # the round completed with the group's gradients (partly: the dead peer's share of the reduction keeps each
         # survivor's own values), not with local gradients after averaging_timeout
         assert survivor["killed_round_outcome"].startswith("Averaged gradients with"), (name, summary)
