@@ -55,8 +55,8 @@ def rounds(log: str) -> Dict[int, Dict[str, Any]]:
 
 def run_leaver_scenario(root: Path, rounds_before: int = 3, rounds_after: int = 3) -> Dict[str, Any]:
     """Three peers (a, b, victim) train until each made ``rounds_before`` gradient rounds with 3 peers; the victim's
-    process group is SIGKILLed 1 s after all three began a gradient round; returns once both survivors made ``rounds_after`` more global
-    steps (or after 240 s). Returns the survivors' rounds (see :func:`rounds`), the epoch of the victim's last round
+    process group is SIGKILLed 1 s after all three began a gradient round; returns once both survivors finished the
+    round under way and ``rounds_after`` more (or after 240 s). Returns the survivors' rounds (see :func:`rounds`), the epoch of the victim's last round
     (``killed_in``) and how far into it the kill came (``kill_after_s``)."""
     peers: List[Peer] = []
     strategy = dict(run_id="leaver", target_batch_size=48, matchmaking_time=MATCHMAKING_TIME,
@@ -93,8 +93,13 @@ def run_leaver_scenario(root: Path, rounds_before: int = 3, rounds_after: int = 
             local = time.localtime()  # hivemind's log lines carry the local time of day
             killed_at = local.tm_hour * 3600 + local.tm_min * 60 + local.tm_sec + time.time() % 1
             victim.kill()
-            wait_until(lambda: all(max(rounds(p.log()), default=-1) >= killed_in + rounds_after for p in (a, b)),
-                       240, [a, b], f"{rounds_after} global steps of the survivors after the kill")
+
+            def finished_after_kill(peer: Peer) -> int:  # the round the death hit, and those after it
+                return sum(1 for r in rounds(peer.log()).values()
+                           if r["seconds"] is not None and r["start"] + r["seconds"] >= killed_at)
+
+            wait_until(lambda: all(finished_after_kill(p) > rounds_after for p in (a, b)), 240, [a, b],
+                       f"{rounds_after} global steps of the survivors after the kill")
             return dict(killed_in=killed_in, kill_after_s=kill_after, killed_at=killed_at,
                         survivors={p.name: rounds(p.log()) for p in (a, b)}, next_chunk_timeout=NEXT_CHUNK_TIMEOUT)
         finally:
