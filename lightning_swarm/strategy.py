@@ -36,6 +36,7 @@ from lightning_swarm.aggregation import DEFAULT_CENTERED_CLIP_ITERS, check_aggre
 from lightning_swarm.auth.peer import SwarmAuth, resolve_auth_settings
 from lightning_swarm.callbacks.progress import SwarmProgress
 from lightning_swarm.dht import start_peer_dht
+from lightning_swarm.hivemind_ext.catch_up import DEFAULT_MAX_STALE_EPOCHS
 from lightning_swarm.hivemind_ext.optimizer import SwarmGradientAverager, SwarmOptimizer
 from lightning_swarm.peers import check_listen_maddrs, resolve_initial_peers
 from lightning_swarm.scheduler import GlobalEpochScheduler
@@ -74,6 +75,12 @@ class HivemindStrategy(SingleDeviceStrategy):
         load_state_timeout: seconds a joining peer waits for the next part of the state from a peer before it
             tries another one (a stall: the whole download may take much longer over a slow link; failed downloads
             are retried, see :mod:`lightning_swarm.hivemind_ext.state_download`).
+        max_stale_epochs: a joining peer whose downloaded state turns out at most this many global epochs behind the
+            swarm's (the swarm stepped during the download) trains at the swarm's epoch from its next local step: its
+            gradients count (computed on parameters that many steps old) and its next state averaging round, where it
+            has weight 0, gives it its group's parameters. Further behind, it downloads again. Default 16; 0:
+            hivemind's behaviour (download again when more than one epoch behind, which in a swarm whose global step
+            is shorter than the download never ends). See :mod:`lightning_swarm.hivemind_ext.catch_up`.
         next_chunk_timeout: seconds an all-reduce waits for a peer's next part before it leaves that peer out of
             the round. Default: ``matchmaking_time``, at least ``min(10, averaging_timeout / 3)``: hivemind's
             default (``matchmaking_time``) drops parts of slow links or loaded peers ("received 95.7% results").
@@ -164,6 +171,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         link_mbit: Optional[float] = None,
         load_state_timeout: float = 60.0,
         next_chunk_timeout: Optional[float] = None,
+        max_stale_epochs: int = DEFAULT_MAX_STALE_EPOCHS,
         delay_optimizer_step: Optional[bool] = None,
         delay_grad_averaging: bool = False,
         delay_state_averaging: bool = True,
@@ -231,7 +239,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             delay_grad_averaging=delay_grad_averaging, delay_state_averaging=delay_state_averaging,
             offload_optimizer=offload_optimizer, reuse_grad_buffers=reuse_grad_buffers,
             average_state_every=average_state_every, averager_opts=averager_opts, tracker_opts=tracker_opts,
-            verbose=verbose, overlap_max_peers=overlap_max_peers,
+            verbose=verbose, overlap_max_peers=overlap_max_peers, max_stale_epochs=max_stale_epochs,
         )
 
         self._dht: Optional[hivemind.DHT] = None

@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Optional
 
 from lightning_swarm.compression import COMPRESSION_CHOICES
 from lightning_swarm.hivemind_ext.group_keys import moshpit_group_bits
+from lightning_swarm.hivemind_ext.catch_up import DEFAULT_MAX_STALE_EPOCHS, check_max_stale_epochs
 from lightning_swarm.hivemind_ext.optimizer import check_overlap_max_peers
 
 
@@ -95,9 +96,11 @@ def hivemind_optimizer_options(
     tracker_opts: Optional[Dict[str, Any]],
     verbose: bool,
     overlap_max_peers: Optional[int] = 2,
+    max_stale_epochs: int = DEFAULT_MAX_STALE_EPOCHS,
 ) -> Dict[str, Any]:
     """The SwarmOptimizer arguments of HivemindStrategy's options (same names and meaning), defaults filled in."""
     check_overlap_max_peers(overlap_max_peers)
+    check_max_stale_epochs(max_stale_epochs)
     # hivemind warns (and may deadlock) if request_timeout >= matchmaking_time
     averager_opts = dict(dict(request_timeout=min(3.0, matchmaking_time / 2)), **(averager_opts or {}))
     # ours, not hivemind's: about how many peers average together, for the groups to change every round
@@ -122,6 +125,7 @@ def hivemind_optimizer_options(
         tracker_opts=tracker_opts,
         verbose=verbose,
         overlap_max_peers=overlap_max_peers,
+        max_stale_epochs=max_stale_epochs,
     )
 
 

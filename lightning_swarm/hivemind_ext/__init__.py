@@ -34,6 +34,12 @@ Every private name used is listed in :data:`~lightning_swarm.hivemind_ext.privat
     - ``ProgressTracker.should_report_progress``: replaced by a throttled event.
     - ``ProgressTracker.shutdown_triggered``, ``global_state_updated``, ``shutdown_complete``,
       ``training_progress_key``, ``metadata_expiration``: a shutdown that waits for the "left the run" record.
+    - ``ProgressTracker.lock_global_progress`` and ``fetched_global_progress_this_epoch``: the swarm's progress
+      fetched on demand (``fetch_global_progress``), as hivemind's fetcher does it.
+``catch_up`` (a newcomer trains after one download, on a state at most ``max_stale_epochs`` behind the swarm's)
+    - ``Optimizer._should_load_state_from_peers``: extended, a peer whose downloaded state is not merged yet follows
+      the swarm's epoch instead of downloading again, within the bound.
+    - ``TrainingStateAverager._update_scheduler``: the LR schedule of the adopted epoch.
 ``grad_averager`` (gradients averaged per sample, not per local step; worker momentum)
     - ``GradientAverager._anchor_batch_size``, ``GradientAverager._grad_accumulators``,
       ``GradientAverager.local_samples_accumulated``, ``GradientAverager.load_accumulators_into_averager_``.

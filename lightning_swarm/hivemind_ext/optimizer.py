@@ -16,7 +16,8 @@ SwarmOptimizer changes these things and nothing else:
   and a groupmate's part that arrives before its group is registered waits for it
   (:mod:`~lightning_swarm.hivemind_ext.round_groups`); docs/swarm-at-scale.md has the measurements;
 - a newcomer's state download is verified, logged and retried, and skips the gradient buffers
-  (:mod:`~lightning_swarm.hivemind_ext.state_download`); its retries end when ``stop_waiting()`` says so;
+  (:mod:`~lightning_swarm.hivemind_ext.state_download`); its retries end when ``stop_waiting()`` says so; a state at
+  most ``max_stale_epochs`` behind the swarm's is trained on (:mod:`~lightning_swarm.hivemind_ext.catch_up`);
 - ``client_mode`` left to None is the DHT's (hivemind 1.1.12 keeps None, and a client-mode peer then dies at its
   first global step setting a state sharing priority its averagers refuse);
 - the process keeps its Ctrl+C: hivemind's averagers set SIGINT to "ignore" in the process that starts them (so that
@@ -38,6 +39,7 @@ from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from lightning_swarm.hivemind_ext.auth_guards import AuthenticatedAveraging, EpochGuard
+from lightning_swarm.hivemind_ext.catch_up import CatchUpAfterDownload, StaleStateMerge
 from lightning_swarm.hivemind_ext.credentials import PeerCredentials
 from lightning_swarm.hivemind_ext.finite_state import FiniteStateDownload
 from lightning_swarm.hivemind_ext.gathered_checks import CheckedGatheredData
@@ -97,7 +99,8 @@ class SwarmGradientAverager(DiesWithParent, HivemindRpcNames, AuthenticatedAvera
 
 class SwarmStateAverager(DiesWithParent, HivemindRpcNames, AuthenticatedAveraging, CheckedGatheredData,
                          GuardedStateServing, PatientGroupRegistration, MovingGroupKeys, ThrottledLeaderSearch,
-                         RobustAveraging, TrainingStateAverager, FiniteStateDownload, VerifiedStateDownload):
+                         StaleStateMerge, RobustAveraging, TrainingStateAverager, FiniteStateDownload,
+                         VerifiedStateDownload):
     """State averager of a SwarmOptimizer: hivemind's TrainingStateAverager with a throttled leader search,
     groupmates' parts that wait for their group to be registered (:mod:`~lightning_swarm.hivemind_ext.round_groups`),
     a screened all-reduce (every peer has weight 1 in state averaging: ``max_sender_weight=1``), a verified, retried
@@ -105,7 +108,8 @@ class SwarmStateAverager(DiesWithParent, HivemindRpcNames, AuthenticatedAveragin
     ``max_state_downloads`` requesters at once, one download each, and a member's malformed gathered data does not fail
     the round; in a run with an authority, groups of authenticated peers only, state from plausible donors (or the one
     a moderator's revert names) and to token holders only; its process dies with the trainer
-    (:mod:`~lightning_swarm.hivemind_ext.lifetime`)."""
+    (:mod:`~lightning_swarm.hivemind_ext.lifetime`); a downloaded state older than the swarm's is merged into the
+    group's at the next state round (:mod:`~lightning_swarm.hivemind_ext.catch_up`)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("max_sender_weight", 1.0)
@@ -118,7 +122,7 @@ class GuardedProgressTracker(EpochGuard, ThrottledProgressTracker):
     """ThrottledProgressTracker that, in a run with an authority, ignores epochs no other peer confirms."""
 
 
-class SwarmOptimizer(hivemind.Optimizer):
+class SwarmOptimizer(CatchUpAfterDownload, hivemind.Optimizer):
     """hivemind.Optimizer (same arguments) with less background CPU, see the module docstring.
 
     ``tracker_opts`` may set ``min_report_interval`` (see ThrottledProgressTracker); ``averager_opts`` and the
@@ -131,7 +135,9 @@ class SwarmOptimizer(hivemind.Optimizer):
     ``overlap_max_peers`` (default 2; None: no limit): if ``delay_optimizer_step`` or ``delay_grad_averaging`` is on,
     they (and ``delay_state_averaging``, if on) apply while the swarm has at most this many peers; in a larger
     swarm this peer averages synchronously, and says so in the log when it switches. ``client_mode`` left out (or
-    None) is the DHT's, as hivemind documents but 1.1.12 does not do.
+    None) is the DHT's, as hivemind documents but 1.1.12 does not do. ``max_stale_epochs``: a downloaded state that
+    many epochs behind the swarm's, or fewer, is trained on at the swarm's epoch (see
+    :mod:`~lightning_swarm.hivemind_ext.catch_up`).
     """
 
     def __init__(self, *args, grad_averager_factory=SwarmGradientAverager, robust_averaging_opts=None,

@@ -234,6 +234,16 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
         ("ServicerBase._rpc_handlers", "reset per class: rpc_download_state reads a JoinRequest (the proof inside)"),
         ("ServicerBase._stub_type", "reset with the handlers it is built from"),
     ])
+    + _symbols(_OPTIMIZER, "catch_up", [
+        ("Optimizer._should_load_state_from_peers", "extended: a stale state within max_stale_epochs follows the swarm"),
+    ])
+    + _symbols("hivemind.optim.state_averager", "catch_up", [
+        ("TrainingStateAverager._update_scheduler", "steps the LR schedule to the swarm's epoch it adopts"),
+    ])
+    + _symbols(_TRACKER, "tracker", [
+        ("ProgressTracker.lock_global_progress", "held while a fetch on demand replaces the global progress"),
+        ("ProgressTracker.fetched_global_progress_this_epoch", "set by a fetch on demand, as by hivemind's fetcher"),
+    ], instance=True)
     + _symbols("hivemind.utils.crypto", "keys", [
         ("RSAPrivateKey._process_wide_key", "set to the key an offline token was issued for"),
         ("RSAPrivateKey._process_wide_key_lock", "held while setting it"),

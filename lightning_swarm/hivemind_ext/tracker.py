@@ -22,6 +22,7 @@ instead of 50 at a fixed 0.5 s (each one is a signed RPC to every other DHT node
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Optional
@@ -31,6 +32,8 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from lightning_swarm.hivemind_ext.progress_records import well_formed_records
+
+log = logging.getLogger(__name__)
 
 
 class _ThrottledEvent(threading.Event):
@@ -136,6 +139,20 @@ class ThrottledProgressTracker(ProgressTracker):
         if isinstance(getattr(self, "should_report_progress", None), _ThrottledEvent):
             self.should_report_progress.interval = self._report_interval(progress)
         return progress
+
+    def fetch_global_progress(self, timeout: float = 10.0) -> GlobalTrainingProgress:
+        """Fetch the swarm's progress now (not at the next fetch time) and make it this tracker's; on a DHT that does
+        not answer within ``timeout`` seconds, keep the last one. Returns the global progress."""
+        try:
+            found = self.dht.get(self.training_progress_key, latest=True, return_future=True).result(timeout)
+        except Exception as e:  # the background fetcher will try again
+            log.info(f"[lightning_swarm] could not fetch the swarm's progress: {e!r}")
+            return self.global_progress
+        metadata = found.value if isinstance(found, ValueWithExpiration) else None
+        with self.lock_global_progress:
+            self.global_progress = self._parse_swarm_progress_data(metadata)
+            self.fetched_global_progress_this_epoch.set()
+        return self.global_progress
 
     def _report_interval(self, progress: GlobalTrainingProgress) -> float:
         fetch_interval = progress.next_fetch_time - get_dht_time()  # how long peers wait before their next fetch

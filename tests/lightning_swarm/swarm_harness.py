@@ -28,11 +28,12 @@ class Peer:
         cores (taskset), like a peer alone on a machine with that many cores.
     join_later: start the process now (its imports overlap the start of the peer it will join) and give it the
         initial peers with :meth:`join` (``strategy`` then holds no ``initial_peers``).
+    command_prefix: run the peer under this command, e.g. ``["ip", "netns", "exec", namespace]`` (netns_harness).
     """
 
     def __init__(self, root: Path, name: str, strategy: Dict[str, Any], model: Dict[str, Any], data: Dict[str, Any],
                  recorder: Dict[str, Any], trainer: Optional[Dict[str, Any]] = None, extra_args: List[str] = (),
-                 cpus: Optional[str] = None, join_later: bool = False):
+                 cpus: Optional[str] = None, join_later: bool = False, command_prefix: List[str] = ()):
         self.name, self.out_dir = name, root / name
         self.out_dir.mkdir(parents=True, exist_ok=True)
         config = {
@@ -57,7 +58,7 @@ class Peer:
             env["PEER_INITIAL_PEERS_FILE"] = str(self._initial_peers_path)
         self._log_file = open(self.log_path, "w")
         self.process = subprocess.Popen(
-            [*(["taskset", "-c", cpus] if cpus else []), sys.executable, str(WORKER), "fit", "--config",
+            [*command_prefix, *(["taskset", "-c", cpus] if cpus else []), sys.executable, str(WORKER), "fit", "--config",
              str(self.config_path), *extra_args],
             stdout=self._log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )

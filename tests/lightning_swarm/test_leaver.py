@@ -1,0 +1,31 @@
+"""A peer that dies mid-round (SIGKILL of its whole process group) costs its group at most one next_chunk_timeout,
+never a global step: the survivors' round completes with the parts they have, their epoch advances on averaged
+gradients, and their next rounds run without the dead peer."""
+
+from __future__ import annotations
+
+import pytest
+
+from netns_harness import network_harness_available
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(bool(network_harness_available()), reason=network_harness_available() or "ok")]
+
+
+def test_peer_killed_mid_round_costs_its_group_at_most_one_next_chunk_timeout(tmp_path):
+    from leaver_scenario import AVERAGING_TIMEOUT, NEXT_CHUNK_TIMEOUT, run_leaver_scenario, summarize
+
+    result = run_leaver_scenario(tmp_path, rounds_before=2, rounds_after=2)  # fewer rounds: the suite's time
+    summary = summarize(result)
+    print(result["kill_after_s"], summary)
+    hit = {name: survivor for name, survivor in summary.items() if survivor["killed_round_s"] is not None}
+    assert hit, f"the death hit no survivor's round: {summary}"
+    for name, survivor in hit.items():
+        assert survivor["normal_max_s"] is not None, (name, summary)
+        # the round completed with the group's gradients (partly: the dead peer's share of the reduction keeps each
+        # survivor's own values), not with local gradients after averaging_timeout
+        assert survivor["killed_round_outcome"].startswith("Averaged gradients with"), (name, summary)
+        assert survivor["killed_round_s"] <= survivor["normal_max_s"] + NEXT_CHUNK_TIMEOUT, (name, summary)
+        assert survivor["killed_round_s"] < AVERAGING_TIMEOUT, (name, summary)
+        after = [outcome for _, outcome in survivor["after"] if outcome]
+        assert after and all(outcome == "Averaged gradients with 2 peers" for outcome in after), (name, summary)
