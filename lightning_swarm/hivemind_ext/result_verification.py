@@ -4,7 +4,7 @@ The arithmetic is :mod:`lightning_swarm.reducer_checks`; this is the plumbing ar
 
 - **the reducer** (:class:`~lightning_swarm.hivemind_ext.robust_allreduce.RobustTensorPartReducer` with statements
   on) makes each part's result an exact combination of the parts and attaches a 56-byte header to each sender's
-  result message (``AveragingData.metadata``, unused by hivemind): that sender's coefficient and the reducer's own
+  result message (``AveragingData.peer_id``, which hivemind leaves empty in results): that sender's coefficient and the reducer's own
   (its coefficient, the virtual part's mass, its weighted residual, its weight share, the senders it accepted);
 - **each sender** keeps, per reducer and part, the header (:func:`lightning_swarm.reducer_checks.parse_header`), the
   codec's rounding bound of the result message (:func:`message_rounding`), the decoded result and its own part;
@@ -59,17 +59,17 @@ def message_rounding(message: runtime_pb2.Tensor, decoded: torch.Tensor) -> floa
 
 def parse_verification_message(message: averaging_pb2.AveragingData, group_id: bytes, phase: int,
                                report_length: int) -> bytes | np.ndarray:
-    """A member's message of ``phase``, checked: the group, the phase (``weight``), 32 bytes of metadata (phases 1
+    """A member's message of ``phase``, checked: the group, the phase (``weight``), 32 bytes in ``peer_id`` (phases 1
     and 2), a float64 vector of exactly ``report_length`` values (phase 3, checked before decoding; its fields by
-    :func:`lightning_swarm.reducer_checks.decode_report`). Returns the metadata, or the report vector."""
+    :func:`lightning_swarm.reducer_checks.decode_report`). Returns those bytes, or the report vector."""
     if message.group_id != group_id:
         raise MalformedMessage("another group's message")
     if message.weight != float(phase):
         raise MalformedMessage(f"a message of phase {message.weight!r} where phase {phase} was expected")
     if phase in (PHASE_COMMIT, PHASE_NONCE):
-        if len(message.metadata) != NONCE_BYTES:
-            raise MalformedMessage(f"{len(message.metadata)} bytes of commitment or nonce, not {NONCE_BYTES}")
-        return bytes(message.metadata)
+        if len(message.peer_id) != NONCE_BYTES:
+            raise MalformedMessage(f"{len(message.peer_id)} bytes of commitment or nonce, not {NONCE_BYTES}")
+        return bytes(message.peer_id)
     if not message.HasField("tensor_part"):
         raise MalformedMessage("a report without its values")
     try:
@@ -198,8 +198,8 @@ class ReportMailbox:
                     log.warning(f"[lightning_swarm] averaging: refused a verification message of {peer}: {e}")
             return parsed
 
-        commits = await phase(PHASE_COMMIT, averaging_pb2.AveragingData(metadata=hashlib.sha256(nonce).digest()))
-        nonces = await phase(PHASE_NONCE, averaging_pb2.AveragingData(metadata=nonce))
+        commits = await phase(PHASE_COMMIT, averaging_pb2.AveragingData(peer_id=hashlib.sha256(nonce).digest()))
+        nonces = await phase(PHASE_NONCE, averaging_pb2.AveragingData(peer_id=nonce))
         nonces = {peer: value for peer, value in nonces.items()
                   if peer in commits and hashlib.sha256(value).digest() == commits[peer]}
         if len(nonces) < len(others):
@@ -334,7 +334,7 @@ class ResultRecords:
         if not self.keep_results:
             return
         try:
-            header = rc.parse_header(message.metadata)
+            header = rc.parse_header(message.peer_id)
         except rc.MalformedReport:
             header = None
         name, info = rounding_info(message.tensor_part)
@@ -411,7 +411,7 @@ class StatedResults:
             if message.code == averaging_pb2.AVERAGED_PART and statements is not None:
                 statement = statements.get(index)
                 if statement is not None:
-                    message.metadata = rc.encode_header(statement, sender_index)
+                    message.peer_id = rc.encode_header(statement, sender_index)
                 index += 1
             yield message
 
