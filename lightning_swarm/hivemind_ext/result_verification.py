@@ -179,8 +179,8 @@ class ReportMailbox:
         others = [peer for peer in senders if peer != runner.peer_id]
         parts_by_reducer = list(runner.tensor_part_container.num_parts_by_peer)
         reducers = [r for r, parts in enumerate(parts_by_reducer) if parts and r != me]
-        if not reducers or runner.peer_id not in senders:
-            return set()
+        if runner.peer_id not in senders or not others or not any(parts_by_reducer):
+            return set()  # (a sender with no slice to check still reports: the others need its projections)
         mailbox = self._mailboxes[group_id]
         timeout = self.verification_timeout
         nonce = os.urandom(NONCE_BYTES)
@@ -210,7 +210,8 @@ class ReportMailbox:
         nonces[runner.peer_id] = nonce
         seed = hashlib.sha256(group_id + b"".join(nonces[peer] for peer in senders)).digest()
         own_reports = await asyncio.get_running_loop().run_in_executor(
-            None, _member_reports, runner, seed, reducers, senders)
+            None, _member_reports, runner, seed, [r for r, parts in enumerate(parts_by_reducer) if parts and r != me],
+            senders)
         values = rc.encode_report([own_reports.get(r) for r in range(len(peers))], parts_by_reducer)
         reports = await phase(PHASE_REPORT, averaging_pb2.AveragingData(
             tensor_part=serialize_torch_tensor(torch.from_numpy(values))))

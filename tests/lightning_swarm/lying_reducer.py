@@ -16,6 +16,7 @@ A peer stays online after ``DONE`` until its stdin is closed.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 import torch
@@ -59,6 +60,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to find a group")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stdout)  # the test reads the peers' log lines
 
     import hivemind
     from hivemind.averaging import DecentralizedAverager
@@ -78,6 +80,7 @@ def main() -> None:
     tensor = make_tensor(args.seed)
     averager = Averager([tensor.clone()], dht=dht, prefix="lying_reducer_test", target_group_size=3,
                         min_group_size=3, min_matchmaking_time=3.0, request_timeout=1.0, compression=NoCompression(),
+                        part_size_bytes=2 ** 14,  # 8 parts of 4096 values: each peer reduces some
                         aggregation="centered_clip", verify_reducers=not args.no_verify, start=True)
     print("PEER_ID", dht.peer_id, flush=True)
     averager.step(timeout=args.timeout)

@@ -49,16 +49,18 @@ def run_round(tmp_path: Path, lie: str, verify: bool = True):
                 if line.startswith("DONE"):
                     break
         for process in processes:
-            process.stdin.close()
+            process.stdin.close()  # each peer leaves once all are done
         for index, process in enumerate(processes):
-            out, _ = process.communicate(timeout=60)
-            lines[index].append(out)
+            lines[index].append(process.stdout.read())
+            process.wait(timeout=60)
     finally:
         for process in processes:
             if process.poll() is None:
                 process.kill()
                 process.wait()
     logs = ["".join(lines[i]) for i in range(3)]
+    for i, text in enumerate(logs):
+        (tmp_path / f"peer{i}.log").write_text(text)
     liar_id = next(line.split()[1] for line in logs[2].splitlines() if line.startswith("PEER_ID"))
     results = [load_file(str(tmp_path / f"{seed}.safetensors")) for seed in range(3)]
     return results[:2], results[2]["input"], liar_id, logs[:2]
@@ -75,7 +77,7 @@ def test_a_lying_reducer_is_refused_named_and_kept_out(tmp_path, lie):
         averaged = peer["averaged"]
         assert torch.isfinite(averaged).all()
         assert bool(((averaged >= low - 1e-5) & (averaged <= high + 1e-5)).all()), log[-3000:]
-        assert not torch.equal(averaged, peer["input"]), "the honest slices were averaged"
+        assert not torch.equal(averaged, peer["input"]), log[-3000:]  # the honest slices were averaged
         assert f"refused the slice reduced by {liar_id}" in log, log[-3000:]
         assert f"peer {liar_id} is kept out of this peer's later groups" in log
         assert log.count(f"refused the slice reduced by") == 1  # the honest reducer's slice passed
