@@ -16,8 +16,10 @@ average with weight 1e9, and one NaN (a part, a weight) poisons it for the whole
 - :class:`RobustAveraging` (a mixin for hivemind averagers) runs every round with these; subclasses give the
   per-sender weight bounds (:meth:`RobustAveraging.sender_weight_bounds`).
 
-What stays open: a reducer that returns a wrong but finite result for its slice is believed (hivemind has no way to
-check it; Gorbunov et al.'s BTARD adds verification for that, not done here).
+- With ``verify_reducers`` (on by default), each result is an exact combination of the parts, stated to the senders,
+  and every member checks every other reducer's slice before applying it
+  (:mod:`~lightning_swarm.hivemind_ext.result_verification`): a reducer whose lie goes beyond one clipped sender's
+  reach is refused and kept out of later groups.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ from lightning_swarm.aggregation import (
 )
 from lightning_swarm import reducer_checks
 from lightning_swarm.hivemind_ext.part_checks import CheckedPartStreams
-from lightning_swarm.hivemind_ext.result_verification import ReportMailbox, ResultRecords, StatedResults, zero_slices
+from lightning_swarm.hivemind_ext.result_records import ResultRecords, StatedResults
+from lightning_swarm.hivemind_ext.result_verification import ReportMailbox, zero_slices
 from lightning_swarm.small_rounds import lone_sender_refusal, two_sender_records
 
 log = logging.getLogger(__name__)

@@ -94,12 +94,14 @@ def run_round_group(variant: str, rounds: int) -> list:
     """Start NUM_PEERS round peers of ``variant``; return each round's time (slowest peer)."""
     command = [sys.executable, __file__, "_round_peer", variant]
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    first = subprocess.Popen(command + ["", str(rounds)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    # BENCH_PEER_LOG=path: the peers' stderr appended there (default: discarded)
+    errors = open(os.environ["BENCH_PEER_LOG"], "a") if os.environ.get("BENCH_PEER_LOG") else subprocess.DEVNULL
+    first = subprocess.Popen(command + ["", str(rounds)], stdout=subprocess.PIPE, stderr=errors, text=True,
                              start_new_session=True, env=env)
     others = []
     try:
         maddr = next(line.split()[1] for line in first.stdout if line.startswith("MADDR"))
-        others = [subprocess.Popen(command + [maddr, str(rounds)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        others = [subprocess.Popen(command + [maddr, str(rounds)], stdout=subprocess.PIPE, stderr=errors,
                                    text=True, start_new_session=True, env=env) for _ in range(NUM_PEERS - 1)]
         results = []
         for process in [first] + others:

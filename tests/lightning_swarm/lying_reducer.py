@@ -1,8 +1,8 @@
 """A peer of a screened all-reduce round for tests, honest or a lying reducer (issue 24, item 9).
 
 The liar runs the honest reducer code and states its honest header, but adds ``--lie`` to every result it sends
-(``large``: 100 on every value; ``subtle``: a random direction of norm 5 times one clipped sender's reach, a few
-honest noise levels per value). As a sender it sends its honest part. Each peer averages one tensor of
+(``large``: 100 on every value; ``subtle``: 16 values of the slice, random Gaussian magnitudes, the whole of norm 50
+times one clipped sender's reach: the rest of the slice is the honest result). As a sender it sends its honest part. Each peer averages one tensor of
 ``NUMEL`` values, ``base + 0.3 * noise(seed)``, uncompressed, with CenteredClip, in one group of 3.
 
 Usage (the first peer prints ``PEER <multiaddr>``; each prints ``PEER_ID <id>``, then ``DONE`` after its round):
@@ -42,10 +42,13 @@ def install_lie(kind: str) -> None:
             return result, refusals, judged
         if kind == "large":
             return result + 100.0, refusals, judged
-        # beyond one clipped sender's reach (its share, at most 1/2, times the farthest part) by 5 times
+        # 50 times one clipped sender's reach (its share, at most 1/2, times the farthest part), on 16 values
         reach = 0.5 * max(float((p.float() - result).norm()) for p in parts if p is not None)
-        direction = torch.randn(result.shape, generator=torch.Generator().manual_seed(7))
-        return result + direction * (5 * reach / float(direction.norm())), refusals, judged
+        generator = torch.Generator().manual_seed(7)
+        direction = torch.zeros(result.numel())
+        direction[torch.randperm(result.numel(), generator=generator)[:16]] = torch.randn(16, generator=generator)
+        lie = (direction * (50 * reach / float(direction.norm()))).reshape(result.shape)
+        return result + lie, refusals, judged
 
     robust_allreduce.screen_and_aggregate = lying
 
