@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 PHASE_COMMIT, PHASE_NONCE, PHASE_REPORT = 1, 2, 3
 NONCE_BYTES = 32
-DEFAULT_VERIFICATION_TIMEOUT = 30.0  # seconds a member waits for the others' messages of one phase
+DEFAULT_VERIFICATION_TIMEOUT = 10.0  # seconds a member waits for the others' messages of one phase
 MAX_MAILBOXES = 64  # rounds in flight whose messages a peer keeps
 
 
@@ -203,6 +203,11 @@ class ReportMailbox:
             return parsed
 
         commits = await phase(PHASE_COMMIT, averaging_pb2.AveragingData(peer_id=hashlib.sha256(nonce).digest()))
+        if len(commits) < len(others):  # a member left: nothing can be checked, and waiting more changes nothing
+            missing = sorted(str(peer) for peer in others if peer not in commits)
+            log.warning(f"[lightning_swarm] averaging: no verification this round (no commitment from {missing}): "
+                        f"the other members' slices are not applied")
+            return set(reducers)
         nonces = await phase(PHASE_NONCE, averaging_pb2.AveragingData(peer_id=nonce))
         nonces = {peer: value for peer, value in nonces.items()
                   if peer in commits and hashlib.sha256(value).digest() == commits[peer]}
