@@ -27,6 +27,8 @@ from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from lightning_swarm import reducer_checks as exact
+
 AGGREGATION_CHOICES = ("mean", "centered_clip")
 DEFAULT_CENTERED_CLIP_ITERS = 20
 # CenteredClip stops early once an iteration moves the result by less than this fraction of its norm (far below
@@ -117,8 +119,11 @@ def centered_clip(
     weights: Sequence[float],
     tau: Optional[float] = None,
     iters: int = DEFAULT_CENTERED_CLIP_ITERS,
+    statement: Optional[list] = None,
+    own: Optional[int] = None,
 ) -> torch.Tensor:
-    """CenteredClip of ``parts`` (same shape) with ``weights``, see the module docstring.
+    """CenteredClip of ``parts`` (same shape) with ``weights``, see the module docstring (``statement``, ``own``:
+    see :func:`aligned_centered_clip`).
 
     Args:
         parts: the senders' parts (finite).
@@ -128,7 +133,7 @@ def centered_clip(
             not clipped; this follows the scale of whatever is averaged (gradients, parameters, optimizer state).
         iters: at most this many iterations (fewer once the estimate stops moving).
     """
-    return aligned_centered_clip(parts, weights, tau, iters, min_alignment=None)[0]
+    return aligned_centered_clip(parts, weights, tau, iters, min_alignment=None, statement=statement, own=own)[0]
 
 
 def aligned_centered_clip(
@@ -138,6 +143,8 @@ def aligned_centered_clip(
     iters: int = DEFAULT_CENTERED_CLIP_ITERS,
     min_alignment: Optional[float] = DEFAULT_MIN_ALIGNMENT,
     prior: Optional[Sequence[float]] = None,
+    statement: Optional[list] = None,
+    own: Optional[int] = None,
 ) -> tuple[torch.Tensor, List[float], List[float]]:
     """CenteredClip (:func:`centered_clip`) in which each sender's weight is scaled by how far it supports the
     group's direction, and by ``prior`` (its record from past rounds, :class:`SenderTrust`).
@@ -163,12 +170,18 @@ def aligned_centered_clip(
         min_alignment: in (0, 1], or None: no alignment screen (``prior`` still applies).
         prior: each sender's weight factor in [0, 1] from past rounds (None: 1 each). Ignored if it would leave no
             weight at all.
+        statement: if a list, the result is made an exact combination of the parts (one last CenteredClip step with
+            the final clip scales as coefficients; the part ``own``, the reducer's, clipped against the result), and
+            its :class:`~lightning_swarm.reducer_checks.Combination` is appended (see that module).
+        own: the reducer's own part among ``parts`` (None: it sent none), with ``statement``.
 
     Returns (the result, each sender's alignment factor this round: 1.0 for a sender kept at full weight, each
     sender's clip scale in the vote: ``min(1, radius / |x_i - u|)``, 1.0 for a sender within the radius (with 2
     senders: its scale in :func:`_two_sender_clip`); both 1.0 without the screen or with 1 sender).
     """
     if len(parts) == 1:
+        if statement is not None:
+            statement.append(exact.combination(np.ones(1), 0.0, np.zeros((1, 1)), [0], 1, own, 1.0, exact.MODE_CLIPPED))
         return parts[0].to(torch.float32).clone(), [1.0], [1.0]
     rows = [p.reshape(-1).to(torch.float32) for p in parts]
     n, size = len(rows), rows[0].numel()
@@ -178,7 +191,7 @@ def aligned_centered_clip(
     w = torch.minimum(w, w.median())
     w = (w / w.sum()).numpy()
     if n == 2 and min_alignment is not None:
-        return _two_sender_clip(rows, w, prior, parts[0].shape)
+        return _two_sender_clip(rows, w, prior, parts[0].shape, statement, own)
     # The estimate stays its start plus a combination of the senders' differences from it, v = start + D a with
     # D = (x_1 - start, ..., x_n - start): each step adds sum_i c_i (x_i - v) = D (sum_i c_i (e_i - a)). So the
     # iterations run on the n coefficients a and the n x n Gram matrix of D, and the part is built once at the end:
@@ -215,6 +228,11 @@ def aligned_centered_clip(
         if not np.allclose(scaled / scaled.sum(), w):
             radius = vote_radius
     coefficients, _ = _clip_coefficients(scaled / scaled.sum(), gram, start_products, start_norm2, radius, iters)
+    if statement is not None:  # the last step with its clip scales as the coefficients: an exact combination
+        coefficients = exact.final_step(gram, coefficients, scaled / scaled.sum(), radius, own,
+                                        float(w[own]) if own is not None else 0.0)
+        statement.append(exact.combination(coefficients, 0.0, gram, list(range(n)), n, own,
+                                           float(w[own]) if own is not None else 0.0, exact.MODE_CLIPPED))
     estimate = torch.empty(size, dtype=torch.float32)  # fresh: it is handed to the senders
     torch.matmul(torch.from_numpy(coefficients).to(torch.float32).unsqueeze(0), differences,
                  out=estimate.view(1, size))
@@ -223,7 +241,8 @@ def aligned_centered_clip(
 
 
 def _two_sender_clip(rows: Sequence[torch.Tensor], w: np.ndarray, prior: Optional[Sequence[float]],
-                     shape: torch.Size) -> tuple[torch.Tensor, List[float], List[float]]:
+                     shape: torch.Size, statement: Optional[list] = None, own: Optional[int] = None,
+                     ) -> tuple[torch.Tensor, List[float], List[float]]:
     """Two senders (see :func:`aligned_centered_clip`): nothing in one round tells which of them lies, and their
     CenteredClip is their mean, which a loud sender (x1e3, or -1e3: gradient ascent) decides. So each part is clipped
     to the smaller L2 norm of the two (the reference: the smaller norm among the senders whose weight ``w`` times
@@ -243,6 +262,14 @@ def _two_sender_clip(rows: Sequence[torch.Tensor], w: np.ndarray, prior: Optiona
     agree = float(torch.dot(rows[0], rows[1])) >= 0.0
     scales = np.minimum(1.0, ratios * TWO_SENDER_AGREEING_CLIP) if agree else ratios
     coefficients = scaled * scales / scaled.sum()
+    if statement is not None:  # v = b_0 x_0 + b_1 x_1 + (1 - b_0 - b_1) * 0: the virtual part is zeros
+        dot = float(torch.dot(rows[0], rows[1]))
+        gram = np.array([[norms[0] ** 2, dot], [dot, norms[1] ** 2]])
+        zero = 1.0 - float(coefficients.sum())
+        if own is not None:
+            coefficients, zero = exact.clip_own_coefficient(gram, coefficients, zero, own, float(w[own]))
+        statement.append(exact.combination(coefficients, max(zero, 0.0), gram, [0, 1], 2, own,
+                                           float(w[own]) if own is not None else 0.0, exact.MODE_CLIPPED))
     estimate = torch.mul(rows[0], float(coefficients[0]))
     estimate.add_(rows[1], alpha=float(coefficients[1]))
     return estimate.reshape(shape), [1.0, 1.0], ratios.tolist()
@@ -320,17 +347,24 @@ def aggregate_parts(
     iters: int = DEFAULT_CENTERED_CLIP_ITERS,
     min_alignment: Optional[float] = None,
     trust: Optional[Sequence[float]] = None,
+    statement: Optional[list] = None,
+    own: Optional[int] = None,
 ) -> tuple[torch.Tensor, Optional[List[Tuple[float, float]]]]:
     """The group's result for one part: ``aggregation`` is "mean" or "centered_clip" (with ``tau``, ``iters``, and
     the alignment screen of :func:`aligned_centered_clip` if ``min_alignment`` is given: each sender's weight also
     scaled by its ``trust``). Returns (the result, each sender's (alignment factor, clip scale); None: not
-    screened)."""
+    screened). ``statement``, ``own``: see :func:`aligned_centered_clip` (the mean's coefficients are its weights)."""
     if aggregation == "mean":
-        return weighted_mean(parts, weights), None
+        result = weighted_mean(parts, weights)
+        if statement is not None:
+            distance = float(torch.dist(parts[own].to(torch.float32), result)) if own is not None else 0.0
+            statement.append(exact.mean_combination(weights, own, distance))
+        return result, None
     if aggregation == "centered_clip":
         if min_alignment is None:
-            return centered_clip(parts, weights, tau=tau, iters=iters), None
-        result, factors, scales = aligned_centered_clip(parts, weights, tau, iters, min_alignment, prior=trust)
+            return centered_clip(parts, weights, tau=tau, iters=iters, statement=statement, own=own), None
+        result, factors, scales = aligned_centered_clip(parts, weights, tau, iters, min_alignment, prior=trust,
+                                                        statement=statement, own=own)
         return result, list(zip(factors, scales))
     raise ValueError(f"aggregation must be one of {AGGREGATION_CHOICES}, got {aggregation!r}")
 

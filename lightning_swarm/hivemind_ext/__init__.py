@@ -56,6 +56,16 @@ Every private name used is listed in :data:`~lightning_swarm.hivemind_ext.privat
       replaced after hivemind built them; ``sender_peer_ids`` names the senders.
     - ``DecentralizedAverager._run_allreduce_inplace_``: hivemind's, building our runner; it uses ``_p2p``,
       ``_running_groups``, ``_averaging_alpha``, ``_state_updated`` as hivemind does.
+    - ``TensorPartContainer.register_failed_reducer``: extended, a failed reducer's slice is marked uncheckable.
+``result_records`` (what the check of the reducers keeps of a round's results, and the reducer's header on each)
+    - ``AllReduceRunner._accumulate_parts_streaming``: extended, each result message gets the reducer's header;
+      ``tensor_part_reducer`` holds the headers.
+    - ``AllReduceRunner._get_peer_stub``: extended, each result message is recorded in ``tensor_part_container``
+      (with ``TensorPartContainer._input_parts_by_peer``, this peer's own parts).
+``result_verification`` (every other member's reduced slice is checked before it is applied, issue 24 item 9)
+    - ``AllReduceRunner.tensor_part_container`` holds the kept results; ``sender_peer_ids`` exchange reports.
+    - ``DecentralizedAverager._p2p``: calls the members' ``rpc_reducer_report``; ``ServicerBase._rpc_handlers`` and
+      ``ServicerBase._stub_type`` reset for each class with the mixin, so that hivemind collects that handler.
 ``gathered_checks`` (a group member's gathered data, checked before hivemind decodes the group's)
     - ``DecentralizedAverager._aggregate_with_group``: extended, a malformed member's blob is replaced by a client's;
       ``serializer`` decodes the blobs as hivemind does.

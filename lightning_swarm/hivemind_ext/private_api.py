@@ -185,6 +185,31 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
     + _symbols("hivemind.averaging.averager", "robust_allreduce", [
         ("DecentralizedAverager._run_allreduce_inplace_", "overridden: hivemind's, building a RobustAllReduceRunner"),
     ])
+    + _symbols("hivemind.averaging.partition", "robust_allreduce", [
+        ("TensorPartContainer.register_failed_reducer", "extended: a failed reducer's slice can't be checked"),
+    ])
+    + _symbols("hivemind.averaging.allreduce", "result_records", [
+        ("AllReduceRunner._accumulate_parts_streaming", "extended: each result gets the reducer's header attached"),
+        ("AllReduceRunner._get_peer_stub", "extended: each result message is recorded for the check"),
+    ])
+    + _symbols("hivemind.averaging.allreduce", "result_records", [
+        ("AllReduceRunner.tensor_part_reducer", "holds the statements attached to the results"),
+        ("AllReduceRunner.tensor_part_container", "holds the results kept for the check"),
+    ], instance=True)
+    + _symbols("hivemind.averaging.allreduce", "result_verification", [
+        ("AllReduceRunner.tensor_part_container", "holds the results kept for the check"),
+        ("AllReduceRunner.sender_peer_ids", "the members that exchange reports"),
+    ], instance=True)
+    + _symbols("hivemind.averaging.partition", "result_records", [
+        ("TensorPartContainer._input_parts_by_peer", "this peer's own parts, kept with the results for the check"),
+    ], instance=True)
+    + _symbols("hivemind.averaging.averager", "result_verification", [
+        ("DecentralizedAverager._p2p", "calls the other members' rpc_reducer_report"),
+    ], instance=True)
+    + _symbols("hivemind.p2p.servicer", "result_verification", [
+        ("ServicerBase._rpc_handlers", "reset per class: rpc_reducer_report is collected for each averager class"),
+        ("ServicerBase._stub_type", "reset with the handlers it is built from"),
+    ])
     + _symbols("hivemind.averaging.averager", "robust_allreduce", [
         ("DecentralizedAverager._p2p", "passed to the all-reduce runner, as hivemind does"),
         ("DecentralizedAverager._running_groups", "where the runner is registered, as hivemind does"),

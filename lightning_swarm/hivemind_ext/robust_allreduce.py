@@ -16,8 +16,10 @@ average with weight 1e9, and one NaN (a part, a weight) poisons it for the whole
 - :class:`RobustAveraging` (a mixin for hivemind averagers) runs every round with these; subclasses give the
   per-sender weight bounds (:meth:`RobustAveraging.sender_weight_bounds`).
 
-What stays open: a reducer that returns a wrong but finite result for its slice is believed (hivemind has no way to
-check it; Gorbunov et al.'s BTARD adds verification for that, not done here).
+- With ``verify_reducers`` (on by default), each result is an exact combination of the parts, stated to the senders,
+  and every member checks every other reducer's slice before applying it
+  (:mod:`~lightning_swarm.hivemind_ext.result_verification`): a reducer whose lie goes beyond one clipped sender's
+  reach is refused and kept out of later groups.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartContainer, TensorPartReducer
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
@@ -48,7 +51,10 @@ from lightning_swarm.aggregation import (
     check_aggregation_options,
     screen_contributions,
 )
+from lightning_swarm import reducer_checks
 from lightning_swarm.hivemind_ext.part_checks import CheckedPartStreams
+from lightning_swarm.hivemind_ext.result_records import ResultRecords, StatedResults
+from lightning_swarm.hivemind_ext.result_verification import ReportMailbox, zero_slices
 from lightning_swarm.small_rounds import lone_sender_refusal, two_sender_records
 
 log = logging.getLogger(__name__)
@@ -75,6 +81,7 @@ def screen_and_aggregate(parts: Sequence[Optional[torch.Tensor]], weights: Seque
                          max_weights: Optional[Sequence[float]], aggregation: str, tau: Optional[float],
                          iters: int, min_alignment: Optional[float] = None,
                          trust: Optional[Sequence[Optional[float]]] = None,
+                         statement: Optional[list] = None, own: Optional[int] = None,
                          ) -> Tuple[Optional[torch.Tensor], List[Refusal], Dict[int, Tuple[float, float]]]:
     """One part's group result from each sender's part and weight (None if no sender's contribution was accepted),
     the refusals (see :func:`lightning_swarm.aggregation.screen_contributions`), and each accepted sender's record
@@ -84,17 +91,27 @@ def screen_and_aggregate(parts: Sequence[Optional[torch.Tensor]], weights: Seque
     ``trust``: each sender's weight factor from its past rounds (with ``min_alignment``; None: a sender never seen,
     factor 1). With the screen, a part that only one sender entered is refused unless that sender was seen before
     (:func:`lightning_swarm.small_rounds.lone_sender_refusal`), and of 2 senders a loud one is recorded
-    (:func:`lightning_swarm.small_rounds.two_sender_records`)."""
+    (:func:`lightning_swarm.small_rounds.two_sender_records`). ``statement``: if a list, the result is an exact
+    combination of the parts and its :class:`~lightning_swarm.reducer_checks.Combination` (coefficients by sender
+    index) is appended; ``own``: the reducer's own sender index (None: it sends nothing)."""
     accepted, accepted_weights, refusals = screen_contributions(parts, weights, max_weights)
     if not accepted:
+        if statement is not None:
+            statement.append(reducer_checks.keep_combination(len(parts)))
         return None, refusals, {}
     if min_alignment is not None and aggregation == "centered_clip" and len(accepted) == 1:
         refusal = lone_sender_refusal(accepted[0], None if trust is None else trust[accepted[0]])
         if refusal is not None:  # zeros for every sender (the lone one too): the group stays in step
+            if statement is not None:
+                statement.append(reducer_checks.zeros_combination(len(parts), 1))
             return torch.zeros(parts[accepted[0]].shape, dtype=torch.float32), refusals + [refusal], {}
+    made: Optional[list] = [] if statement is not None else None
     result, judged = aggregate_parts(
         [parts[i] for i in accepted], accepted_weights, aggregation, tau, iters, min_alignment,
-        None if trust is None else [1.0 if trust[i] is None else trust[i] for i in accepted])
+        None if trust is None else [1.0 if trust[i] is None else trust[i] for i in accepted], statement=made,
+        own=accepted.index(own) if own is not None and own in accepted else None)
+    if statement is not None:
+        statement.append(reducer_checks.remapped(made[0], accepted, len(parts)))
     if judged is None or len(accepted) < 2:
         return result, refusals, {}
     if len(accepted) == 2:
@@ -125,6 +142,9 @@ class RobustTensorPartReducer(TensorPartReducer):
         on_alignment: called once, when the round ends, with each judged sender's (record, evidence) over this
             reducer's parts (see :class:`~lightning_swarm.aggregation.SenderTrust`; senders never judged:
             left out).
+        statements: make each result an exact combination of the parts and keep its statement for the senders
+            (:mod:`~lightning_swarm.hivemind_ext.result_verification`).
+        own_sender: this reducer's own sender index (None: it sends nothing), with ``statements``.
     """
 
     def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, *, sender_names: Sequence[str],
@@ -132,8 +152,12 @@ class RobustTensorPartReducer(TensorPartReducer):
                  centered_clip_iters: int = DEFAULT_CENTERED_CLIP_ITERS,
                  max_weights: Optional[Sequence[float]] = None, min_alignment: Optional[float] = None,
                  trust: Optional[Sequence[Optional[float]]] = None,
-                 on_alignment: Optional[Callable[[Dict[int, Tuple[float, float]]], None]] = None):
+                 on_alignment: Optional[Callable[[Dict[int, Tuple[float, float]]], None]] = None,
+                 statements: bool = False, own_sender: Optional[int] = None):
         self.sender_names, self.aggregation = list(sender_names), aggregation
+        # part index -> its Combination (reducer_checks), attached to each sender's result (result_verification)
+        self.statements: Optional[Dict[int, reducer_checks.Combination]] = {} if statements else None
+        self.own_sender = own_sender
         self.centered_clip_tau, self.centered_clip_iters, self.max_weights = centered_clip_tau, centered_clip_iters, max_weights
         self.min_alignment, self.trust, self.on_alignment = min_alignment, trust, on_alignment
         self.alignment: Dict[int, List[Tuple[float, float]]] = defaultdict(list)  # sender -> (record, evidence)/part
@@ -189,7 +213,8 @@ class RobustTensorPartReducer(TensorPartReducer):
         assert self.current_part_accumulated_from <= self.num_current_senders
         if self.current_part_accumulated_from == self.num_current_senders:
             last = self.current_part_index >= self.num_parts - 1
-            task = asyncio.create_task(self._aggregate_part(self.current_part_future, self._parts, self._weights, last))
+            task = asyncio.create_task(self._aggregate_part(self.current_part_future, self._parts, self._weights, last,
+                                                            self.current_part_index))
             self._aggregations.add(task)
             task.add_done_callback(self._aggregations.discard)
             if last:
@@ -198,13 +223,18 @@ class RobustTensorPartReducer(TensorPartReducer):
                 self.reset_accumulators()  # the next part is collected while this one is aggregated
 
     async def _aggregate_part(self, future: asyncio.Future, parts: List[Optional[torch.Tensor]], weights: List[float],
-                              last: bool) -> None:
+                              last: bool, part_index: int = 0) -> None:
         """Aggregate one part in the aggregation thread (the event loop keeps receiving and sending meanwhile), then
         hand the result to the senders waiting on ``future``."""
         try:
+            statement: Optional[list] = [] if self.statements is not None else None
             result, refusals, factors = await asyncio.get_running_loop().run_in_executor(
-                aggregation_executor(), screen_and_aggregate, parts, weights, self.max_weights, self.aggregation,
-                self.centered_clip_tau, self.centered_clip_iters, self.min_alignment, self.trust)
+                aggregation_executor(), functools.partial(
+                    screen_and_aggregate, parts, weights, self.max_weights, self.aggregation, self.centered_clip_tau,
+                    self.centered_clip_iters, self.min_alignment, self.trust, statement=statement,
+                    own=self.own_sender))
+            if statement:
+                self.statements[part_index] = statement[0]
             for refusal in refusals:
                 self.refusals[refusal.sender][refusal.reason] += 1
             if result is None:
@@ -255,12 +285,13 @@ def _record_alignment(sender_trust: SenderTrust, senders: Sequence[PeerID],
     sender_trust.update({senders[i]: record for i, record in judged.items()})
 
 
-class CheckedTensorPartContainer(TensorPartContainer):
-    """A TensorPartContainer that refuses non-finite results from reducers: the slice keeps its local value.
+class CheckedTensorPartContainer(ResultRecords, TensorPartContainer):
+    """A TensorPartContainer that refuses non-finite results from reducers: the slice keeps its local value; with
+    ``keep_results``, it keeps what the check of the reducers' results needs (:class:`ResultRecords`).
 
     Args:
         peer_names: a printable name per group member (its peer id), for the log.
-        *args, **kwargs: as hivemind's TensorPartContainer.
+        *args, **kwargs: as hivemind's TensorPartContainer (and ``keep_results``, ``own_index``).
     """
 
     def __init__(self, *args, peer_names: Sequence[str], **kwargs):
@@ -269,11 +300,17 @@ class CheckedTensorPartContainer(TensorPartContainer):
         self.refused_parts_by_peer = [0] * self.group_size
 
     def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor):
-        if not all_finite(part):  # on the event loop: the fast check
+        refused = not all_finite(part)  # on the event loop: the fast check
+        if refused:
             self.refused_parts_by_peer[peer_index] += 1
             local_part = self._input_parts_by_peer[peer_index][part_index][0]
             part = torch.zeros_like(local_part) if self.return_deltas else local_part
+        self.keep_result(peer_index, part_index, part, refused)
         super().register_processed_part(peer_index, part_index, part)
+
+    def register_failed_reducer(self, peer_index: int):
+        self.mark_failed(peer_index)
+        super().register_failed_reducer(peer_index)
 
     def finalize(self):
         if not self.finished.is_set():
@@ -287,7 +324,7 @@ class CheckedTensorPartContainer(TensorPartContainer):
 _RUNNER_ARGUMENTS = frozenset(inspect.signature(AllReduceRunner.__init__).parameters) - {"self", "kwargs"}
 
 
-class RobustAllReduceRunner(CheckedPartStreams, AllReduceRunner):
+class RobustAllReduceRunner(StatedResults, CheckedPartStreams, AllReduceRunner):
     """hivemind's AllReduceRunner with :class:`CheckedTensorPartContainer` and :class:`RobustTensorPartReducer`;
     every part and result it receives is checked before it is decoded (:mod:`.part_checks`).
 
@@ -297,13 +334,15 @@ class RobustAllReduceRunner(CheckedPartStreams, AllReduceRunner):
         min_alignment: CenteredClip's alignment screen (None: off).
         sender_trust: the senders' alignment history (updated when this peer's reducer ends the round), with
             ``min_alignment``.
+        verify: state each result exactly and keep the results for the check of the reducers
+            (:mod:`~lightning_swarm.hivemind_ext.result_verification`).
         **kwargs: as hivemind's AllReduceRunner (and its TensorPartContainer).
     """
 
     def __init__(self, *, aggregation: str = "mean", centered_clip_tau: Optional[float] = None,
                  centered_clip_iters: int = DEFAULT_CENTERED_CLIP_ITERS,
                  max_weight_by_peer: Optional[Dict[PeerID, float]] = None, min_alignment: Optional[float] = None,
-                 sender_trust: Optional[SenderTrust] = None, **kwargs):
+                 sender_trust: Optional[SenderTrust] = None, verify: bool = False, **kwargs):
         super().__init__(**kwargs)
         # hivemind builds its container and reducer inline: replace both (marked finished, they finalize silently)
         self.tensor_part_container.finished.set()
@@ -311,7 +350,8 @@ class RobustAllReduceRunner(CheckedPartStreams, AllReduceRunner):
         container_kwargs = {k: v for k, v in kwargs.items() if k not in _RUNNER_ARGUMENTS}
         self.tensor_part_container = CheckedTensorPartContainer(
             kwargs["tensors"], self.peer_fractions, return_deltas=True,
-            peer_names=[str(peer) for peer in self.ordered_peer_ids], **container_kwargs,
+            peer_names=[str(peer) for peer in self.ordered_peer_ids], keep_results=verify,
+            own_index=self.ordered_peer_ids.index(self.peer_id), **container_kwargs,
         )
         self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(
             self.ordered_peer_ids.index(self.peer_id))
@@ -328,11 +368,12 @@ class RobustAllReduceRunner(CheckedPartStreams, AllReduceRunner):
             tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids),
             sender_names=[str(peer) for peer in self.sender_peer_ids], aggregation=aggregation,
             centered_clip_tau=centered_clip_tau, centered_clip_iters=centered_clip_iters, max_weights=max_weights,
-            min_alignment=min_alignment, trust=trust, on_alignment=on_alignment,
+            min_alignment=min_alignment, trust=trust, on_alignment=on_alignment, statements=verify,
+            own_sender=self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None,
         )
 
 
-class RobustAveraging:
+class RobustAveraging(ReportMailbox):
     """Mixin for hivemind averager classes: every all-reduce round runs a :class:`RobustAllReduceRunner`.
 
     Args:
@@ -346,12 +387,16 @@ class RobustAveraging:
             :class:`~lightning_swarm.aggregation.SenderTrust`, kept in the averager's process for the whole run);
             None: off. For gradients: parameters and optimizer
             state all go along their average.
-        *args, **kwargs: as the averager class this is mixed into.
+        verify_reducers: check every other member's reduced slice before applying it, and keep a reducer whose
+            slice fails out of later groups (:mod:`~lightning_swarm.hivemind_ext.result_verification`); every
+            member of a group must have it on (a slice that can't be checked is not applied).
+        *args, **kwargs: as the averager class this is mixed into (and ``verification_timeout``).
     """
 
     def __init__(self, *args, aggregation: str = "mean", centered_clip_tau: Optional[float] = None,
                  centered_clip_iters: int = DEFAULT_CENTERED_CLIP_ITERS, max_sender_weight: Optional[float] = None,
-                 centered_clip_min_alignment: Optional[float] = None, **kwargs):
+                 centered_clip_min_alignment: Optional[float] = None, verify_reducers: bool = True, **kwargs):
+        self.verify_reducers = bool(verify_reducers)
         check_aggregation_options(aggregation, centered_clip_tau, centered_clip_iters, centered_clip_min_alignment)
         self.aggregation, self.centered_clip_tau, self.centered_clip_iters = aggregation, centered_clip_tau, centered_clip_iters
         self.max_sender_weight = max_sender_weight
@@ -370,20 +415,41 @@ class RobustAveraging:
                                       group_id: Optional[bytes] = None, **kwargs):
         # hivemind 1.1.12's DecentralizedAverager._run_allreduce_inplace_, with RobustAllReduceRunner
         group_id = group_info.group_id if group_id is None else group_id
+        excluded = [str(peer) for peer in group_info.peer_ids if peer in self.excluded_peers]
+        if excluded:
+            raise MatchmakingException(f"[lightning_swarm] left a group with peer(s) kept out of this peer's groups "
+                                       f"(their reduced slices failed the check before): {excluded}")
+        if self.verify_reducers:
+            self.open_mailbox(group_id, group_info.peer_ids)
         runner = RobustAllReduceRunner(
             p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
             ordered_peer_ids=group_info.peer_ids, aggregation=self.aggregation,
             centered_clip_tau=self.centered_clip_tau, centered_clip_iters=self.centered_clip_iters,
             max_weight_by_peer=await self.sender_weight_bounds(group_info), min_alignment=self.min_alignment,
-            sender_trust=self.sender_trust, **kwargs,
+            sender_trust=self.sender_trust, verify=self.verify_reducers, **kwargs,
         )
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
-        if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
-            async for tensor, update in azip(as_aiter(*tensors), runner):
+        try:
+            if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
+                async for _ in runner:
+                    raise ValueError("aux peers should not receive averaged tensors")
+                if self.verify_reducers:  # an aux peer reduces: the others' messages about its slice still come
+                    await asyncio.sleep(0)
+                return
+            if not self.verify_reducers:
+                async for tensor, update in azip(as_aiter(*tensors), runner):
+                    tensor.add_(update, alpha=self._averaging_alpha)
+                    self.last_updated = get_dht_time()
+                    self._state_updated.set()
+                return
+            updates = [update async for update in runner]  # applied once every other reducer's slice is checked
+            refused = await self.verify_results(runner, group_id)
+            zero_slices(updates, runner.tensor_part_container, refused)
+            for tensor, update in zip(tensors, updates):
                 tensor.add_(update, alpha=self._averaging_alpha)
-                self.last_updated = get_dht_time()
-                self._state_updated.set()
-        else:
-            async for _ in runner:
-                raise ValueError("aux peers should not receive averaged tensors")
+            self.last_updated = get_dht_time()
+            self._state_updated.set()
+        finally:
+            runner.tensor_part_container.release_results()
+            self.close_mailbox(group_id)

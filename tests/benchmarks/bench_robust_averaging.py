@@ -17,6 +17,8 @@
    each worker momentum of BENCH_WORKER_MOMENTA (default 0: off), attacker included, and for CenteredClip each
    alignment screen of BENCH_MIN_ALIGNMENTS (default 0.5; "off": none).
 
+   The robust variants check each reducer's result (issue 24 item 9) unless "+unverified" is in their name
+   (BENCH_VARIANTS=centered_clip,centered_clip+unverified,mean,mean+unverified: the check's cost side by side).
 Run: python tests/benchmarks/bench_robust_averaging.py [round|part|attacks|all]
      BENCH_REPEATS=5 BENCH_ROUNDS=3 python tests/benchmarks/bench_robust_averaging.py round   (5 x 3 rounds each)
      BENCH_AGGREGATIONS=mean python tests/benchmarks/bench_robust_averaging.py attacks
@@ -39,7 +41,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests" / "lightning_swarm"
 NUM_PEERS = 3
-VARIANTS = ("hivemind", "mean", "centered_clip", "centered_clip+align")  # +align: min_alignment 0.5
+# +align: min_alignment 0.5; +unverified: without the check of the reducers' results (verify_reducers=False)
+VARIANTS = tuple(os.environ.get("BENCH_VARIANTS", "hivemind,mean,centered_clip,centered_clip+align").split(","))
 
 
 def round_peer(variant: str, initial_peer: str, rounds: int) -> None:
@@ -68,9 +71,10 @@ def round_peer(variant: str, initial_peer: str, rounds: int) -> None:
     if variant == "hivemind":
         averager = DecentralizedAverager(tensors, **options)
     else:
-        aggregation, _, align = variant.partition("+")
-        averager = ScreenedAverager(tensors, aggregation=aggregation,
-                                    centered_clip_min_alignment=DEFAULT_MIN_ALIGNMENT if align else None, **options)
+        aggregation, *flags = variant.split("+")
+        averager = ScreenedAverager(tensors, aggregation=aggregation, verify_reducers="unverified" not in flags,
+                                    centered_clip_min_alignment=DEFAULT_MIN_ALIGNMENT if "align" in flags else None,
+                                    **options)
     times = []
     for _ in range(rounds):
         control = averager.step(wait=False, require_trigger=True, timeout=120)
@@ -90,12 +94,14 @@ def run_round_group(variant: str, rounds: int) -> list:
     """Start NUM_PEERS round peers of ``variant``; return each round's time (slowest peer)."""
     command = [sys.executable, __file__, "_round_peer", variant]
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    first = subprocess.Popen(command + ["", str(rounds)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    # BENCH_PEER_LOG=path: the peers' stderr appended there (default: discarded)
+    errors = open(os.environ["BENCH_PEER_LOG"], "a") if os.environ.get("BENCH_PEER_LOG") else subprocess.DEVNULL
+    first = subprocess.Popen(command + ["", str(rounds)], stdout=subprocess.PIPE, stderr=errors, text=True,
                              start_new_session=True, env=env)
     others = []
     try:
         maddr = next(line.split()[1] for line in first.stdout if line.startswith("MADDR"))
-        others = [subprocess.Popen(command + [maddr, str(rounds)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        others = [subprocess.Popen(command + [maddr, str(rounds)], stdout=subprocess.PIPE, stderr=errors,
                                    text=True, start_new_session=True, env=env) for _ in range(NUM_PEERS - 1)]
         results = []
         for process in [first] + others:
@@ -118,11 +124,16 @@ def bench_round() -> None:
     medians = {variant: statistics.median(values) for variant, values in times.items()}
     print(f"\nall-reduce round, 25M float32 parameters, {NUM_PEERS} peers on 127.0.0.1, 8-bit codec, "
           f"{repeats} x {rounds} rounds each (median; slowest peer of each round)")
+    reference = "hivemind" if "hivemind" in medians else VARIANTS[0]
     for variant in VARIANTS:
-        print(f"  {variant:>14}: {medians[variant]:.2f} s  (min {min(times[variant]):.2f}, max {max(times[variant]):.2f})"
-              f"  x{medians[variant] / medians['hivemind']:.2f} of hivemind's")
-    print(f"  centered_clip / mean: x{medians['centered_clip'] / medians['mean']:.2f}, centered_clip+align / mean: "
-          f"x{medians['centered_clip+align'] / medians['mean']:.2f}")
+        print(f"  {variant:>26}: {medians[variant]:.2f} s  (min {min(times[variant]):.2f}, max "
+              f"{max(times[variant]):.2f})  x{medians[variant] / medians[reference]:.2f} of {reference}'s")
+    for variant in VARIANTS:
+        if variant + "+unverified" in medians:
+            print(f"  {variant} / {variant}+unverified (the reducer check's cost): "
+                  f"x{medians[variant] / medians[variant + '+unverified']:.2f}")
+    if "centered_clip" in medians and "mean" in medians:
+        print(f"  centered_clip / mean: x{medians['centered_clip'] / medians['mean']:.2f}")
 
 
 def bench_part() -> None:

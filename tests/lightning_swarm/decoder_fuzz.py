@@ -4,7 +4,8 @@ Targets: one per registered codec (``NONE``, ``FLOAT16``, ``MEANSTD_16BIT``, ``U
 ``BLOCKWISE_8BIT``: hivemind's ``deserialize_torch_tensor`` with :func:`lightning_swarm.compression.register_fixed_codecs`
 installed), ``reducer_parts`` (a sender's part or a reducer's result: :func:`checked_part_messages`, then hivemind's
 decoding, as the all-reduce runs them), ``state_download`` (the assembly of a streamed state) and
-``progress_records`` (DHT progress records).
+``progress_records`` (DHT progress records) and ``reducer_reports`` (a reducer's result header and the members'
+verification messages, issue 24 item 9).
 
 Each target mutates honest messages (truncated, extended, header counts 0 / -1 / huge, shape and dtype changed,
 compression type swapped, bytes flipped, random buffers, several at once) and checks each outcome against an oracle
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 CODEC_TARGETS = ("NONE", "FLOAT16", "MEANSTD_16BIT", "UNIFORM_8BIT", "QUANTILE_8BIT", "BLOCKWISE_8BIT")
-TARGETS = CODEC_TARGETS + ("reducer_parts", "state_download", "progress_records")
+TARGETS = CODEC_TARGETS + ("reducer_parts", "state_download", "progress_records", "reducer_reports")
 REPO = Path(__file__).resolve().parents[2]
 
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
@@ -457,11 +458,157 @@ def _spec_progress(value, now: float) -> bool:
             and type(client) is bool)
 
 
+_REPORT_PARTS = (2, 0, 3)  # parts reduced by each member of the fuzzed group
+
+
+def _spec_header(data) -> bool:
+    import struct
+
+    if not isinstance(data, bytes) or len(data) != 56:
+        return False
+    values = struct.unpack("<7d", data)
+    if not all(math.isfinite(v) for v in values):
+        return False
+    b, own, zero, residual, share, accepted, mode = values
+    return (all(0 <= v <= 1 + 1e-6 for v in (b, own, zero, share)) and residual >= 0 and accepted == int(accepted)
+            and 0 <= accepted <= 4096 and mode in (0, 1, 2))
+
+
+def _spec_report(values) -> bool:
+    import numpy as np
+
+    values = np.asarray(values, dtype=np.float64)
+    if len(values) != sum(7 + 2 * parts for parts in _REPORT_PARTS) or not np.all(np.isfinite(values)):
+        return False
+    offset = 0
+    for parts in _REPORT_PARTS:
+        row = values[offset:offset + 7 + 2 * parts]
+        offset += len(row)
+        if row[0] == 0:
+            continue
+        if row[0] != 1 or row[5] < 0 or not (0 <= row[6] < 2 ** 53 and row[6] == int(row[6])):
+            return False
+        if np.any(row[7:7 + parts] < 0) or np.any(row[7:7 + parts] > 1 + 1e-6) or np.any(row[7 + parts:] < 0):
+            return False
+    return True
+
+
+def fuzz_reducer_reports(rng: random.Random, count: int) -> Outcome:
+    """Mutated result headers (``reducer_checks.parse_header``) and verification messages of each phase
+    (``result_verification.parse_verification_message``, then ``reducer_checks.decode_report`` for reports)."""
+    import struct
+
+    import numpy as np
+    import torch
+    from hivemind.compression.serialization import serialize_torch_tensor
+    from hivemind.proto import averaging_pb2, runtime_pb2
+
+    from lightning_swarm import reducer_checks as rc
+    from lightning_swarm.hivemind_ext import result_verification as rv
+
+    outcome = Outcome("reducer_reports")
+    group = b"g" * 32
+    length = rc.report_length(_REPORT_PARTS)
+    odd = (0.0, -1.0, 1.0, 2.0, 0.5, 1e308, -1e308, float("nan"), float("inf"), 2.0 ** 53, 1.5, 7.0)
+    for index in range(count):
+        kind = rng.choice(("header", "phase", "report"))
+        done = []
+        start = time.perf_counter()
+        expected, accepted = False, False
+        try:
+            if kind == "header":
+                values = [rng.random(), rng.random(), 0.0, rng.random(), 0.5, 3.0, float(rng.choice((0, 1, 2)))]
+                if index >= 10:
+                    for _ in range(rng.choice((1, 2))):
+                        position = rng.randrange(7)
+                        values[position] = rng.choice(odd)
+                        done.append(f"field {position}={values[position]!r}")
+                data = struct.pack("<7d", *values)
+                if rng.random() < 0.15:
+                    data = data[:rng.randrange(len(data))] if rng.random() < 0.5 else data + b"\x00" * rng.randrange(1, 9)
+                    done.append(f"{len(data)} bytes")
+                expected = _spec_header(data)
+                try:
+                    rc.parse_header(data)
+                    accepted = True
+                except rc.MalformedReport:
+                    pass
+            else:
+                phase = 3 if kind == "report" else rng.choice((1, 2))
+                message = averaging_pb2.AveragingData(group_id=group, weight=float(phase))
+                values = None
+                if phase == 3:
+                    report = rc.SliceReport(True, np.array([rng.gauss(0, 1) for _ in range(4)]), rng.random(),
+                                            float(rng.randrange(2 ** 48)), np.array([rng.random() for _ in range(2)]),
+                                            np.array([rng.random() for _ in range(2)]))
+                    values = rc.encode_report([report, None, None], _REPORT_PARTS)
+                    if index >= 10 and rng.random() < 0.6:
+                        position = rng.randrange(len(values))
+                        values[position] = rng.choice(odd)
+                        done.append(f"value {position}={values[position]!r}")
+                    if rng.random() < 0.15:
+                        values = values[:-1] if rng.random() < 0.5 else np.append(values, 0.0)
+                        done.append(f"{len(values)} values")
+                    tensor = torch.from_numpy(values)
+                    if rng.random() < 0.1:
+                        tensor = tensor.float()
+                        done.append("float32")
+                    message.tensor_part.CopyFrom(serialize_torch_tensor(tensor))
+                    if rng.random() < 0.1:
+                        message.tensor_part.buffer = message.tensor_part.buffer[:-8]
+                        done.append("buffer cut")
+                    if rng.random() < 0.05:
+                        message.ClearField("tensor_part")
+                        done.append("no tensor")
+                else:
+                    message.peer_id = os.urandom(32)
+                    if index >= 10 and rng.random() < 0.3:
+                        message.peer_id = os.urandom(rng.choice((0, 31, 33, 1000)))
+                        done.append(f"{len(message.peer_id)} bytes")
+                if index >= 10 and rng.random() < 0.1:
+                    message.weight = rng.choice((0.0, 4.0, float("nan"), 3.0 if phase != 3 else 1.0))
+                    done.append(f"phase {message.weight}")
+                if index >= 10 and rng.random() < 0.05:
+                    message.group_id = b"h" * 32
+                    done.append("other group")
+                phase_ok = message.weight == float(phase) and message.group_id == group
+                if phase == 3:
+                    tensor_ok = (message.HasField("tensor_part") and message.tensor_part.dtype == "float64"
+                                 and len(message.tensor_part.buffer) == 8 * length
+                                 and list(message.tensor_part.size) == [length])
+                    expected = phase_ok and tensor_ok and _spec_report(values)
+                else:
+                    expected = phase_ok and len(message.peer_id) == 32
+                try:
+                    parsed = rv.parse_verification_message(message, group, phase, length)
+                    if phase == 3:
+                        rc.decode_report(parsed, _REPORT_PARTS)
+                    accepted = True
+                except (rv.MalformedMessage, rc.MalformedReport):
+                    pass
+        except Exception as e:
+            outcome.errors += 1
+            outcome.violation(f"{kind} {'; '.join(done)}: {type(e).__name__}: {str(e)[:120]}")
+            accepted = None
+        outcome.slowest = max(outcome.slowest, time.perf_counter() - start)
+        outcome.messages += 1
+        if accepted:
+            outcome.decoded += 1
+            if not expected:
+                outcome.violation(f"{kind} {'; '.join(done)}: accepted")
+        elif accepted is False:
+            outcome.refused += 1
+            if expected:
+                outcome.violation(f"{kind} {'; '.join(done) or 'honest'}: a well-formed message was refused")
+    return outcome
+
+
 FUZZERS: Dict[str, Callable[[random.Random, int], Outcome]] = {
     **{kind: (lambda kind: lambda rng, count: fuzz_codec(kind, rng, count))(kind) for kind in CODEC_TARGETS},
     "reducer_parts": fuzz_reducer_parts,
     "state_download": fuzz_state_download,
     "progress_records": fuzz_progress_records,
+    "reducer_reports": fuzz_reducer_reports,
 }
 
 

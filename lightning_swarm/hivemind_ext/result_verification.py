@@ -1,0 +1,286 @@
+"""Each member checks every other member's reduced slice before applying it (issue 24, item 9).
+
+The arithmetic is :mod:`lightning_swarm.reducer_checks`; this is the plumbing around hivemind's all-reduce:
+
+- **the reducer** (:class:`~lightning_swarm.hivemind_ext.robust_allreduce.RobustTensorPartReducer` with statements
+  on) makes each part's result an exact combination of the parts and attaches a 56-byte header to each sender's
+  result message (``AveragingData.peer_id``, which hivemind leaves empty in results): that sender's coefficient and the reducer's own
+  (its coefficient, the virtual part's mass, its weighted residual, its weight share, the senders it accepted);
+- **each sender** keeps, per reducer and part, the header (:func:`lightning_swarm.reducer_checks.parse_header`), the
+  codec's rounding bound of the result message (:func:`message_rounding`), the decoded result and its own part;
+- **after the round**, before any result is applied, the senders exchange three small messages each way per pair
+  (``rpc_reducer_report``, :class:`ReportMailbox`): a commitment ``sha256(nonce)``, then the nonce, then each one's
+  reports on every other reducer's slice, projected on random sign vectors seeded by ``sha256(group id, all nonces)``:
+  a seed that nobody, the reducer included, knew while the results were sent, nor could choose afterwards;
+- **each sender checks** every other reducer's slice (:func:`lightning_swarm.reducer_checks.check_slice`). A slice
+  that fails is not applied (the local values stay, as when a reducer fails), the reducer is named in one log line
+  and kept out of this peer's later groups (:meth:`ReportMailbox.exclude_peer`: a leader refuses its join requests,
+  a member leaves a group that holds it). A slice that can't be checked (a member's report missing or malformed)
+  is not applied either, and nobody is excluded for it.
+
+Private hivemind names used here are listed in :mod:`lightning_swarm.hivemind_ext.private_api`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+from typing import AsyncIterator, Dict, List, Optional, Sequence, Set, Tuple
+
+import numpy as np
+import torch
+from hivemind.compression.serialization import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+
+from lightning_swarm import reducer_checks as rc
+from lightning_swarm.hivemind_ext.result_records import ResultRecords, StatedResults, rounding_info
+from lightning_swarm.wire_checks import MalformedTensor, check_tensor_message, compression_name
+
+__all__ = ["ReportMailbox", "ResultRecords", "StatedResults", "message_rounding", "parse_verification_message",
+           "zero_slices"]
+
+log = logging.getLogger(__name__)
+
+PHASE_COMMIT, PHASE_NONCE, PHASE_REPORT = 1, 2, 3
+NONCE_BYTES = 32
+DEFAULT_VERIFICATION_TIMEOUT = 10.0  # seconds a member waits for the others' messages of one phase
+MAX_MAILBOXES = 64  # rounds in flight whose messages a peer keeps
+
+
+class MalformedMessage(ValueError):
+    """A member's verification message that does not fit its phase's layout."""
+
+
+def message_rounding(message: runtime_pb2.Tensor, decoded: torch.Tensor) -> float:
+    """An upper bound of the L2 rounding error in a (checked) result message, from its header and decoded values
+    (:func:`lightning_swarm.reducer_checks.rounding_bound`)."""
+    name, info = rounding_info(message)
+    return rc.rounding_bound(name, decoded, info)
+
+
+def parse_verification_message(message: averaging_pb2.AveragingData, group_id: bytes, phase: int,
+                               report_length: int) -> bytes | np.ndarray:
+    """A member's message of ``phase``, checked: the group, the phase (``weight``), 32 bytes in ``peer_id`` (phases 1
+    and 2), a float64 vector of exactly ``report_length`` values (phase 3, checked before decoding; its fields by
+    :func:`lightning_swarm.reducer_checks.decode_report`). Returns those bytes, or the report vector."""
+    if message.group_id != group_id:
+        raise MalformedMessage("another group's message")
+    if message.weight != float(phase):
+        raise MalformedMessage(f"a message of phase {message.weight!r} where phase {phase} was expected")
+    if phase in (PHASE_COMMIT, PHASE_NONCE):
+        if len(message.peer_id) != NONCE_BYTES:
+            raise MalformedMessage(f"{len(message.peer_id)} bytes of commitment or nonce, not {NONCE_BYTES}")
+        return bytes(message.peer_id)
+    if not message.HasField("tensor_part"):
+        raise MalformedMessage("a report without its values")
+    try:
+        check_tensor_message(message.tensor_part, (report_length,), torch.float64)
+        if compression_name(message.tensor_part) != "NONE" or message.tensor_part.dtype != "float64":
+            raise MalformedTensor("a report must be uncompressed float64")
+        values = deserialize_torch_tensor(message.tensor_part)
+    except MalformedTensor as e:
+        raise MalformedMessage(f"report values: {e}") from None
+    return values.numpy().astype(np.float64, copy=False)
+
+
+class _Mailbox:
+    """The verification messages of one round, by phase and sender (the first one of each is kept)."""
+
+    def __init__(self, members: Sequence[PeerID]):
+        self.members = set(members)
+        self.messages: Dict[Tuple[int, PeerID], averaging_pb2.AveragingData] = {}
+        self.changed = asyncio.Event()
+
+    def put(self, phase: int, sender: PeerID, message: averaging_pb2.AveragingData) -> None:
+        self.messages.setdefault((phase, sender), message)
+        self.changed.set()
+
+    async def wait(self, phase: int, senders: Sequence[PeerID], timeout: float) -> Dict[PeerID, averaging_pb2.AveragingData]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not all((phase, peer) in self.messages for peer in senders):
+            self.changed.clear()
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            try:
+                await asyncio.wait_for(self.changed.wait(), left)
+            except asyncio.TimeoutError:
+                break
+        return {peer: self.messages[(phase, peer)] for peer in senders if (phase, peer) in self.messages}
+
+
+class ReportMailbox:
+    """Mixin for hivemind averagers (with :class:`~lightning_swarm.hivemind_ext.robust_allreduce.RobustAveraging`):
+    the ``rpc_reducer_report`` handler, the rounds' mailboxes and the peers this one keeps out of its groups.
+
+    Args:
+        verification_timeout: seconds a member waits for the others' messages of one phase.
+    """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # hivemind caches a servicer class's RPC handlers in class attributes a subclass inherits: collect ours
+        cls._rpc_handlers = None
+        cls._stub_type = None
+
+    def __init__(self, *args, verification_timeout: float = DEFAULT_VERIFICATION_TIMEOUT, **kwargs):
+        if not verification_timeout > 0:
+            raise ValueError(f"verification_timeout must be a positive number of seconds, got {verification_timeout!r}")
+        self.verification_timeout = verification_timeout
+        self._mailboxes: Dict[bytes, _Mailbox] = {}
+        self.excluded_peers: Dict[PeerID, str] = {}  # averager process: peer -> why
+        super().__init__(*args, **kwargs)
+
+    async def rpc_reducer_report(self, request: averaging_pb2.AveragingData, context: P2PContext
+                                 ) -> averaging_pb2.AveragingData:
+        mailbox = self._mailboxes.get(request.group_id)
+        if mailbox is None or context.remote_id not in mailbox.members or request.weight not in (1.0, 2.0, 3.0):
+            return averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+        mailbox.put(int(request.weight), context.remote_id, request)
+        return averaging_pb2.AveragingData(code=averaging_pb2.NO_CODE)
+
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
+                             ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if context.remote_id in self.excluded_peers:
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_join_group(request, context):
+            yield message
+
+    def exclude_peer(self, peer: PeerID, reason: str) -> None:
+        """Keep ``peer`` out of this peer's later groups (for the rest of the run)."""
+        if peer not in self.excluded_peers:
+            self.excluded_peers[peer] = reason
+            log.warning(f"[lightning_swarm] averaging: peer {peer} is kept out of this peer's later groups: {reason}")
+
+    def open_mailbox(self, group_id: bytes, members: Sequence[PeerID]) -> None:
+        while len(self._mailboxes) >= MAX_MAILBOXES:
+            self._mailboxes.pop(next(iter(self._mailboxes)))
+        self._mailboxes[group_id] = _Mailbox(members)
+
+    def close_mailbox(self, group_id: bytes) -> None:
+        self._mailboxes.pop(group_id, None)
+
+    async def _send_all(self, peers: Sequence[PeerID], message: averaging_pb2.AveragingData) -> None:
+        async def send(peer):
+            try:
+                stub = type(self).get_stub(self._p2p, peer, namespace=self.prefix)
+                await asyncio.wait_for(stub.rpc_reducer_report(message), self.verification_timeout)
+            except Exception as e:  # its absence is what the others see
+                log.debug(f"could not send a verification message to {peer}: {e!r}")
+        await asyncio.gather(*(send(peer) for peer in peers))
+
+    async def verify_results(self, runner, group_id: bytes) -> Set[int]:
+        """Run the exchange of a finished round's results with the other senders and check each reducer's slice.
+        Returns the indices (in the group's order) of the reducers whose slices are not to be applied."""
+        peers: List[PeerID] = list(runner.ordered_peer_ids)
+        me = peers.index(runner.peer_id)
+        senders: List[PeerID] = list(runner.sender_peer_ids)
+        others = [peer for peer in senders if peer != runner.peer_id]
+        parts_by_reducer = list(runner.tensor_part_container.num_parts_by_peer)
+        reducers = [r for r, parts in enumerate(parts_by_reducer) if parts and r != me]
+        if runner.peer_id not in senders or not others or not any(parts_by_reducer):
+            return set()  # (a sender with no slice to check still reports: the others need its projections)
+        mailbox = self._mailboxes[group_id]
+        timeout = self.verification_timeout
+        nonce = os.urandom(NONCE_BYTES)
+        length = rc.report_length(parts_by_reducer)
+
+        async def phase(number: int, payload: averaging_pb2.AveragingData) -> Dict[PeerID, object]:
+            payload.group_id, payload.weight = group_id, float(number)
+            await self._send_all(others, payload)
+            received = await mailbox.wait(number, others, timeout)
+            parsed = {}
+            for peer, message in received.items():
+                try:
+                    parsed[peer] = parse_verification_message(message, group_id, number, length)
+                except MalformedMessage as e:
+                    log.warning(f"[lightning_swarm] averaging: refused a verification message of {peer}: {e}")
+            return parsed
+
+        commits = await phase(PHASE_COMMIT, averaging_pb2.AveragingData(peer_id=hashlib.sha256(nonce).digest()))
+        if len(commits) < len(others):  # a member left: nothing can be checked, and waiting more changes nothing
+            missing = sorted(str(peer) for peer in others if peer not in commits)
+            log.warning(f"[lightning_swarm] averaging: no verification this round (no commitment from {missing}): "
+                        f"the other members' slices are not applied")
+            return set(reducers)
+        nonces = await phase(PHASE_NONCE, averaging_pb2.AveragingData(peer_id=nonce))
+        nonces = {peer: value for peer, value in nonces.items()
+                  if peer in commits and hashlib.sha256(value).digest() == commits[peer]}
+        if len(nonces) < len(others):
+            missing = sorted(str(peer) for peer in others if peer not in nonces)
+            log.warning(f"[lightning_swarm] averaging: no verification this round (no valid nonce from {missing}): "
+                        f"the other members' slices are not applied")
+            return set(reducers)
+        nonces[runner.peer_id] = nonce
+        seed = hashlib.sha256(group_id + b"".join(nonces[peer] for peer in senders)).digest()
+        own_reports = await asyncio.get_running_loop().run_in_executor(
+            None, _member_reports, runner, seed, [r for r, parts in enumerate(parts_by_reducer) if parts and r != me],
+            senders)
+        values = rc.encode_report([own_reports.get(r) for r in range(len(peers))], parts_by_reducer)
+        reports = await phase(PHASE_REPORT, averaging_pb2.AveragingData(
+            tensor_part=serialize_torch_tensor(torch.from_numpy(values))))
+        decoded: Dict[PeerID, List[Optional[rc.SliceReport]]] = {runner.peer_id: [own_reports.get(r) for r in
+                                                                                 range(len(peers))]}
+        for peer, vector in reports.items():
+            try:
+                decoded[peer] = rc.decode_report(vector, parts_by_reducer)
+            except rc.MalformedReport as e:
+                log.warning(f"[lightning_swarm] averaging: refused the verification report of {peer}: {e}")
+        refused = set()
+        for r in reducers:
+            reducer = peers[r]
+            reporters = [peer for peer in senders if peer != reducer]
+            headers = runner.tensor_part_container.result_headers(r)
+            slice_reports = [decoded.get(peer, [None] * len(peers))[r] for peer in reporters]
+            if headers is None:
+                reason = "unverifiable: its results came without a well-formed header or did not all arrive"
+            else:
+                reason = rc.check_slice(headers, slice_reports, reducer_sends=reducer in senders)
+            if reason is None:
+                continue
+            refused.add(r)
+            log.warning(f"[lightning_swarm] averaging: refused the slice reduced by {reducer} ({parts_by_reducer[r]} "
+                        f"parts): {reason}; kept the local values there")
+            if not reason.startswith("unverifiable"):
+                self.exclude_peer(reducer, f"its reduced slice failed the check ({reason})")
+        return refused
+
+
+def _member_reports(runner, seed: bytes, reducers: Sequence[int], senders: Sequence[PeerID]
+                    ) -> Dict[int, rc.SliceReport]:
+    """This member's reports on the slices it can report on (complete, well-formed headers)."""
+    reports = {}
+    peers = list(runner.ordered_peer_ids)
+    for r in reducers:
+        received = runner.tensor_part_container.received_parts(r)
+        if received is None:
+            continue
+        members = len([peer for peer in senders if peer != peers[r]])
+        reports[r] = rc.member_report(seed, r, received, members)
+    return reports
+
+
+def zero_slices(updates: Sequence[torch.Tensor], container, refused: Set[int]) -> None:
+    """Set the refused reducers' slices of the updates (deltas, in hivemind's output order: the concatenation of the
+    flattened tensors is the reducers' slices one after the other) to zero."""
+    if not refused:
+        return
+    flat_offsets, offset = [], 0
+    for size in container.slice_sizes:
+        flat_offsets.append((offset, offset + size))
+        offset += size
+    position = 0
+    for update in updates:
+        flat = update.view(-1)
+        start, end = position, position + flat.numel()
+        for r in refused:
+            low, high = max(start, flat_offsets[r][0]), min(end, flat_offsets[r][1])
+            if low < high:
+                flat[low - start:high - start].zero_()
+        position = end
+

@@ -1,0 +1,99 @@
+"""A peer of a screened all-reduce round for tests, honest or a lying reducer (issue 24, item 9).
+
+The liar runs the honest reducer code and states its honest header, but adds ``--lie`` to every result it sends
+(``large``: 100 on every value; ``subtle``: 16 values of the slice, random Gaussian magnitudes, the whole of norm 50
+times one clipped sender's reach: the rest of the slice is the honest result). As a sender it sends its honest part. Each peer averages one tensor of
+``NUMEL`` values, ``base + 0.3 * noise(seed)``, uncompressed, with CenteredClip, in one group of 3.
+
+Usage (the first peer prints ``PEER <multiaddr>``; each prints ``PEER_ID <id>``, then ``DONE`` after its round):
+
+    python tests/lightning_swarm/lying_reducer.py --seed 0 --out a.safetensors
+    python tests/lightning_swarm/lying_reducer.py --seed 1 --out b.safetensors --initial-peer /ip4/... --lie large
+
+A peer stays online after ``DONE`` until its stdin is closed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import torch
+from safetensors.torch import save_file
+
+NUMEL = 30_000
+
+
+def make_tensor(seed: int) -> torch.Tensor:
+    base = torch.randn(NUMEL, generator=torch.Generator().manual_seed(1234))
+    return base + 0.3 * torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed))
+
+
+def install_lie(kind: str) -> None:
+    """Make this process's reducer add a lie to every result it hands back (its header stays the honest one)."""
+    from lightning_swarm.hivemind_ext import robust_allreduce
+
+    honest = robust_allreduce.screen_and_aggregate
+
+    def lying(parts, *args, **kwargs):
+        result, refusals, judged = honest(parts, *args, **kwargs)
+        if result is None:
+            return result, refusals, judged
+        if kind == "large":
+            return result + 100.0, refusals, judged
+        # 50 times one clipped sender's reach (its share, at most 1/2, times the farthest part), on 16 values
+        reach = 0.5 * max(float((p.float() - result).norm()) for p in parts if p is not None)
+        generator = torch.Generator().manual_seed(7)
+        direction = torch.zeros(result.numel())
+        direction[torch.randperm(result.numel(), generator=generator)[:16]] = torch.randn(16, generator=generator)
+        lie = (direction * (50 * reach / float(direction.norm()))).reshape(result.shape)
+        return result + lie, refusals, judged
+
+    robust_allreduce.screen_and_aggregate = lying
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seed", type=int, required=True, help="seed of this peer's tensor")
+    parser.add_argument("--out", required=True, help="safetensors file for the averaged tensor")
+    parser.add_argument("--initial-peer", default=None, help="multiaddr of a peer to join (none: start a DHT)")
+    parser.add_argument("--lie", choices=("none", "large", "subtle"), default="none", help="this peer's reducer lies")
+    parser.add_argument("--no-verify", action="store_true", help="apply the reducers' results unchecked")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds to find a group")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stdout)  # the test reads the peers' log lines
+
+    import hivemind
+    from hivemind.averaging import DecentralizedAverager
+    from hivemind.compression import NoCompression
+
+    from lightning_swarm.hivemind_ext.robust_allreduce import RobustAveraging
+
+    class Averager(RobustAveraging, DecentralizedAverager):
+        pass
+
+    if args.lie != "none":
+        install_lie(args.lie)
+    dht = hivemind.DHT(initial_peers=[args.initial_peer] if args.initial_peer else None,
+                       host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    if not args.initial_peer:
+        print("PEER", dht.get_visible_maddrs()[0], flush=True)
+    tensor = make_tensor(args.seed)
+    averager = Averager([tensor.clone()], dht=dht, prefix="lying_reducer_test", target_group_size=3,
+                        min_group_size=3, min_matchmaking_time=3.0, request_timeout=1.0, compression=NoCompression(),
+                        part_size_bytes=2 ** 14,  # 8 parts of 4096 values: each peer reduces some
+                        aggregation="centered_clip", verify_reducers=not args.no_verify, start=True)
+    print("PEER_ID", dht.peer_id, flush=True)
+    averager.step(timeout=args.timeout)
+    with averager.get_tensors() as tensors:
+        save_file({"averaged": tensors[0].clone(), "input": tensor}, args.out)
+    print("DONE", flush=True)
+    sys.stdin.read()
+    averager.shutdown()
+    dht.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""A real 3-peer all-reduce round (separate processes on 127.0.0.1, CenteredClip) with one lying reducer
+(tests/lightning_swarm/lying_reducer.py): its results are honest + a large or subtle finite offset, its header honest.
+The honest peers refuse its slice, name it in the log and keep it out of their later groups; their tensors stay
+within the range of the inputs at every coordinate (the liar sends an honest part: only its reduction lies).
+Without the check the same lie lands in the honest peers' tensors (the test's control)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+WORKER = Path(__file__).with_name("lying_reducer.py")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_round(tmp_path: Path, lie: str, verify: bool = True):
+    """Start 2 honest peers and a liar; return (honest peers' (input, averaged), the liar's input, the liar's peer
+    id, the honest peers' logs)."""
+    extra = [] if verify else ["--no-verify"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+
+    def start(seed: int, initial: str | None, role: str):
+        command = [sys.executable, str(WORKER), "--seed", str(seed), "--out", str(tmp_path / f"{seed}.safetensors"),
+                   "--lie", role] + extra + (["--initial-peer", initial] if initial else [])
+        return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env, start_new_session=True)
+
+    processes = []
+    try:
+        first = start(0, None, "none")
+        processes.append(first)
+        lines = {0: []}
+        for line in first.stdout:
+            lines[0].append(line)
+            if line.startswith("PEER "):
+                maddr = line.split()[1]
+                break
+        processes += [start(1, maddr, "none"), start(2, maddr, lie)]
+        for index, process in enumerate(processes):
+            lines.setdefault(index, [])
+            for line in process.stdout:
+                lines[index].append(line)
+                if line.startswith("DONE"):
+                    break
+        for process in processes:
+            process.stdin.close()  # each peer leaves once all are done
+        for index, process in enumerate(processes):
+            lines[index].append(process.stdout.read())
+            process.wait(timeout=60)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    logs = ["".join(lines[i]) for i in range(3)]
+    for i, text in enumerate(logs):
+        (tmp_path / f"peer{i}.log").write_text(text)
+    liar_id = next(line.split()[1] for line in logs[2].splitlines() if line.startswith("PEER_ID"))
+    results = [load_file(str(tmp_path / f"{seed}.safetensors")) for seed in range(3)]
+    return results[:2], results[2]["input"], liar_id, logs[:2]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("lie", ["large", "subtle"])
+def test_a_lying_reducer_is_refused_named_and_kept_out(tmp_path, lie):
+    honest, liar_input, liar_id, logs = run_round(tmp_path, lie)
+    inputs = torch.stack([peer["input"] for peer in honest] + [liar_input])
+    low, high = inputs.min(dim=0).values, inputs.max(dim=0).values
+    for peer, log in zip(honest, logs):
+        averaged = peer["averaged"]
+        assert torch.isfinite(averaged).all()
+        assert bool(((averaged >= low - 1e-5) & (averaged <= high + 1e-5)).all()), log[-3000:]
+        assert not torch.equal(averaged, peer["input"]), log[-3000:]  # the honest slices were averaged
+        assert f"refused the slice reduced by {liar_id}" in log, log[-3000:]
+        assert f"peer {liar_id} is kept out of this peer's later groups" in log
+        assert log.count(f"refused the slice reduced by") == 1  # the honest reducer's slice passed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_without_the_check_the_lie_lands_in_honest_tensors(tmp_path):
+    honest, liar_input, liar_id, logs = run_round(tmp_path, "large", verify=False)
+    inputs = torch.stack([peer["input"] for peer in honest] + [liar_input])
+    high = inputs.max(dim=0).values
+    assert all(bool((peer["averaged"] > high + 50).any()) for peer in honest)
