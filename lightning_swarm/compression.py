@@ -52,7 +52,7 @@ from hivemind.proto import runtime_pb2
 
 from lightning_swarm.aggregation import all_finite
 from lightning_swarm.hivemind_ext.codecs import register_decoders
-from lightning_swarm.wire_checks import MalformedTensor, message_layout
+from lightning_swarm.wire_checks import MalformedTensor, dynamic_code, message_layout, uniform_code
 
 # hivemind's BLOCKWISE_8BIT decoder hard-codes this block size; keeping it makes messages interoperable
 BLOCKSIZE = 4096
@@ -66,12 +66,6 @@ _CODEBOOK_TRIAL_BLOCKS = 4
 def _read_int64(buffer: bytes, offset: int) -> int:
     # np.frombuffer(...)[0] rather than int(array): int() of a 1-element array is a TypeError in numpy >= 2.4
     return int(np.frombuffer(buffer, count=1, offset=offset, dtype=np.int64)[0])
-
-
-def uniform_code() -> torch.Tensor:
-    """256 sorted levels ``k / 127`` for k in [-127, 128]: uniform on [-1, 1] with an exact zero (the top one
-    is never used, as values are scaled into [-1, 1])."""
-    return torch.arange(-127, 129, dtype=torch.float32) / 127
 
 
 _UNIFORM_CODE = uniform_code()
@@ -112,13 +106,6 @@ def dequantize_uniform_blockwise(codes: torch.Tensor, absmax: torch.Tensor) -> t
     if codes.numel() > num_full * BLOCKSIZE:
         values[num_full * BLOCKSIZE:].mul_(absmax[num_full])
     return values
-
-
-def dynamic_code() -> torch.Tensor:
-    """bitsandbytes' signed dynamic-exponent map: fine steps near zero, coarse near +-1 (heavy tails)."""
-    from bitsandbytes.functional import create_dynamic_map
-
-    return create_dynamic_map(signed=True).float()
 
 
 class Blockwise8BitQuantization(CompressionBase):

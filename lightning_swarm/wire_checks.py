@@ -228,3 +228,16 @@ def max_buffer_length(compression: str, shape: Sequence[int], dtype_name: str) -
     if compression == "BLOCKWISE_8BIT":
         return 2 * _INT64 + _FLOAT32 * (-(-numel // BLOCKWISE_BLOCKSIZE) + CODEBOOK_SIZE) + numel
     return _INT64 + _FLOAT32 * CODEBOOK_SIZE + numel  # UNIFORM_8BIT, QUANTILE_8BIT
+
+
+def uniform_code() -> torch.Tensor:
+    """256 sorted levels ``k / 127`` for k in [-127, 128]: uniform on [-1, 1] with an exact zero (the top one
+    is never used, as values are scaled into [-1, 1])."""
+    return torch.arange(-127, 129, dtype=torch.float32) / 127
+
+
+def dynamic_code() -> torch.Tensor:
+    """bitsandbytes' signed dynamic-exponent map: fine steps near zero, coarse near +-1 (heavy tails)."""
+    from bitsandbytes.functional import create_dynamic_map
+
+    return create_dynamic_map(signed=True).float()

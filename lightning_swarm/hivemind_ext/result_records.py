@@ -44,7 +44,7 @@ def local_rounding(name: str, local: torch.Tensor) -> float:
 
 
 def _coarse_code() -> np.ndarray:
-    from lightning_swarm.compression import dynamic_code, uniform_code
+    from lightning_swarm.wire_checks import dynamic_code, uniform_code
 
     codes = [dynamic_code().numpy(), uniform_code().numpy()]
     gaps = [np.max(np.diff(np.concatenate(([-1.0], np.sort(c), [1.0])))) for c in codes]
