@@ -41,6 +41,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from lightning_swarm.hivemind_ext.auth_guards import AuthenticatedAveraging, EpochGuard
 from lightning_swarm.hivemind_ext.catch_up import CatchUpAfterDownload, StaleStateMerge
 from lightning_swarm.hivemind_ext.credentials import PeerCredentials
+from lightning_swarm.hivemind_ext.epoch_rounds import RoundEpochs, RoundEpochSender
 from lightning_swarm.hivemind_ext.finite_state import FiniteStateDownload
 from lightning_swarm.hivemind_ext.gathered_checks import CheckedGatheredData
 from lightning_swarm.hivemind_ext.grad_averager import SampleWeightedGradientAverager
@@ -82,9 +83,9 @@ class HivemindRpcNames:
         return hivemind_class._get_handle_name(namespace, method_name)
 
 
-class SwarmGradientAverager(DiesWithParent, HivemindRpcNames, AuthenticatedAveraging, CheckedGatheredData,
+class SwarmGradientAverager(DiesWithParent, HivemindRpcNames, RoundEpochs, AuthenticatedAveraging, CheckedGatheredData,
                             GuardedStateServing, PatientGroupRegistration, MovingGroupKeys, ThrottledLeaderSearch,
-                            ProgressBoundedWeights, SampleWeightedGradientAverager, NoStateDownload):
+                            ProgressBoundedWeights, SampleWeightedGradientAverager, RoundEpochSender, NoStateDownload):
     """Gradient averager of a SwarmOptimizer: mean over samples, throttled leader search (``leader_poll_interval``),
     groupmates' parts wait for their group to be registered (:mod:`~lightning_swarm.hivemind_ext.round_groups`),
     screened all-reduce (``aggregation``, ``centered_clip_tau``, ``centered_clip_iters``,
@@ -97,9 +98,9 @@ class SwarmGradientAverager(DiesWithParent, HivemindRpcNames, AuthenticatedAvera
     (:mod:`~lightning_swarm.hivemind_ext.lifetime`)."""
 
 
-class SwarmStateAverager(DiesWithParent, HivemindRpcNames, AuthenticatedAveraging, CheckedGatheredData,
+class SwarmStateAverager(DiesWithParent, HivemindRpcNames, RoundEpochs, AuthenticatedAveraging, CheckedGatheredData,
                          GuardedStateServing, PatientGroupRegistration, MovingGroupKeys, ThrottledLeaderSearch,
-                         StaleStateMerge, RobustAveraging, TrainingStateAverager, FiniteStateDownload,
+                         StaleStateMerge, RobustAveraging, TrainingStateAverager, RoundEpochSender, FiniteStateDownload,
                          VerifiedStateDownload):
     """State averager of a SwarmOptimizer: hivemind's TrainingStateAverager with a throttled leader search,
     groupmates' parts that wait for their group to be registered (:mod:`~lightning_swarm.hivemind_ext.round_groups`),
@@ -159,6 +160,8 @@ class SwarmOptimizer(CatchUpAfterDownload, hivemind.Optimizer):
         finally:
             if interrupt_handler is not None and signal.getsignal(signal.SIGINT) is not interrupt_handler:
                 signal.signal(signal.SIGINT, interrupt_handler)  # hivemind's averagers set SIG_IGN (module docstring)
+        if isinstance(self.grad_averager, RoundEpochSender):  # its rounds are matched with rounds of their epoch
+            self.grad_averager.round_epoch = self._next_epoch
         self.requested_overlap = {name: getattr(self, name) for name in OVERLAP_OPTIONS}  # as configured
         self.download_abandoned: Optional[str] = None  # why a state download was abandoned (see stop_waiting)
         self.overlapping = True  # whether the requested overlap options are in force
@@ -244,6 +247,10 @@ class SwarmOptimizer(CatchUpAfterDownload, hivemind.Optimizer):
             **self.robust_averaging_opts,
             **kwargs,
         )
+
+    def _next_epoch(self) -> int:
+        """The epoch this peer's next global step leads to (as hivemind's ``_update_global_epoch`` computes it)."""
+        return max(self.local_epoch + 1, self.tracker.global_epoch)
 
     @property
     def _alone(self) -> bool:
