@@ -11,10 +11,12 @@ SwarmOptimizer changes these things and nothing else:
   search until it cancels the round at the end of the epoch;
 - in a swarm, state averaging rounds are pre-scheduled like gradient rounds (hivemind 1.1.12 never does, see
   ``_maybe_schedule_state_averaging``), so their group is ready when the epoch ends;
-- the overlap options (``delay_optimizer_step`` / ``delay_grad_averaging``, with ``delay_state_averaging``) apply
-  only while the swarm has at most ``overlap_max_peers`` peers (default 2); in a larger swarm rounds are synchronous,
-  and a groupmate's part that arrives before its group is registered waits for it
-  (:mod:`~lightning_swarm.hivemind_ext.round_groups`); docs/swarm-at-scale.md has the measurements;
+- overlapping rounds (the overlap options ``delay_optimizer_step`` / ``delay_grad_averaging`` /
+  ``delay_state_averaging``) hold in swarms of any size: each round is matched with rounds of its own epoch, a
+  triggered round without a group is given up (:mod:`~lightning_swarm.hivemind_ext.epoch_rounds`), and a groupmate's
+  part that arrives before its group is registered waits for it (:mod:`~lightning_swarm.hivemind_ext.round_groups`);
+  ``overlap_max_peers`` (default None: no limit) can still switch them off in a swarm larger than that;
+  docs/swarm-at-scale.md has the measurements;
 - a newcomer's state download is verified, logged and retried, and skips the gradient buffers
   (:mod:`~lightning_swarm.hivemind_ext.state_download`); its retries end when ``stop_waiting()`` says so; a state at
   most ``max_stale_epochs`` behind the swarm's is trained on (:mod:`~lightning_swarm.hivemind_ext.catch_up`);
@@ -57,8 +59,9 @@ from lightning_swarm.hivemind_ext.tracker import ThrottledProgressTracker
 
 log = logging.getLogger(__name__)
 
-# the largest swarm in which the overlap options were measured to help (docs/swarm-at-scale.md)
-DEFAULT_OVERLAP_MAX_PEERS = 2
+# no limit: with rounds matched per epoch, overlapped rounds of 4 peers were no longer slower than synchronous ones
+# (docs/swarm-at-scale.md)
+DEFAULT_OVERLAP_MAX_PEERS = None
 OVERLAP_OPTIONS = ("delay_optimizer_step", "delay_grad_averaging", "delay_state_averaging")
 
 
@@ -133,7 +136,7 @@ class SwarmOptimizer(CatchUpAfterDownload, hivemind.Optimizer):
     averager's through ``grad_averager_factory``. ``swarm_auth`` (a :class:`~lightning_swarm.hivemind_ext.credentials.PeerCredentials`
     such as :class:`~lightning_swarm.auth.peer.SwarmAuth`, in a run with an authority) is handed to the tracker and both averagers (see
     :mod:`lightning_swarm.hivemind_ext.auth_guards`); the DHT must have been created with its authorizer.
-    ``overlap_max_peers`` (default 2; None: no limit): if ``delay_optimizer_step`` or ``delay_grad_averaging`` is on,
+    ``overlap_max_peers`` (default None: no limit): if ``delay_optimizer_step`` or ``delay_grad_averaging`` is on,
     they (and ``delay_state_averaging``, if on) apply while the swarm has at most this many peers; in a larger
     swarm this peer averages synchronously, and says so in the log when it switches. ``client_mode`` left out (or
     None) is the DHT's, as hivemind documents but 1.1.12 does not do. ``max_stale_epochs``: a downloaded state that
@@ -213,8 +216,7 @@ class SwarmOptimizer(CatchUpAfterDownload, hivemind.Optimizer):
         else:
             log.warning(f"[lightning_swarm] {num_peers} peers in the swarm: averaging synchronously, "
                         f"{', '.join(requested)} off while the swarm has more than overlap_max_peers="
-                        f"{self.overlap_max_peers} peers: overlapped rounds of 4 peers were measured several times "
-                        "slower than synchronous ones (docs/swarm-at-scale.md)")
+                        f"{self.overlap_max_peers} peers")
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
         return GuardedProgressTracker(

@@ -17,11 +17,12 @@
 3. peers: one swarm of 1, 2, 4 peers (BENCH_PEER_COUNTS) on 127.0.0.1: each peer's samples/s and the CPU its swarm
    work takes (everything but its training thread), per second and per global epoch.
 
-4. overlap: swarms of 4 and 2 peers (the MLP of "throughput"), one after the other, with the overlap options
-   requested and overlap_max_peers at its default 2 (the strategy's choice: synchronous rounds at 4 peers),
-   with the overlap options forced at any size (overlap_max_peers None), forced with hivemind's handling of a part
-   that arrives before its group is registered (the behaviour before docs/swarm-at-scale.md's fix), and off:
-   swarm samples/s in the steady state, global epochs, and the partial rounds the peers' logs report.
+4. overlap: swarms of BENCH_OVERLAP_PEERS peers (default 4 and 2; the MLP of "throughput"), one after the other:
+   the overlap options with rounds matched per epoch (now, overlap_max_peers None), the same with one group key for
+   all epochs and no bound on a triggered round's search (before), synchronous rounds, and the old fallback
+   (overlap_max_peers=2); BENCH_OVERLAP_VARIANTS picks some (epoch,before,sync,fallback). Swarm samples/s in the
+   steady state, global epochs, the partial rounds the peers' logs report, and the rounds given up (triggered,
+   no group).
 
 Run: python tests/benchmarks/bench_swarm.py [averaging|throughput|all|peers|overlap]
      BENCH_AVERAGE_STATE_EVERY=4 python tests/benchmarks/bench_swarm.py throughput   (state averaging every 4 epochs)
@@ -32,6 +33,7 @@ Run: python tests/benchmarks/bench_swarm.py [averaging|throughput|all|peers|over
      BENCH_OVERLAP=0 BENCH_TARGET=8192 BENCH_PEER_COUNTS=4 python tests/benchmarks/bench_swarm.py peers   (synchronous)
      BENCH_TARGET=8192 BENCH_SECONDS=60 BENCH_WARMUP=20 python tests/benchmarks/bench_swarm.py overlap   (the table
                                                                      of docs/swarm-at-scale.md, ~15 min)
+     BENCH_OVERLAP_PEERS=8 BENCH_OVERLAP_VARIANTS=epoch,sync ... overlap   (8 peers, two variants)
      BENCH_PIN=1 python tests/benchmarks/bench_swarm.py throughput   (each peer with all its processes on its own core,
                                                                      like one peer per 1-core machine; alone too)
 The machine is shared (2 cores): run it when nothing else runs, the ratio moves a lot with background load. The host
@@ -306,6 +308,9 @@ def bench_overlap(seconds: float = SECONDS) -> None:
                 os.environ.update(env)  # the peers inherit it
                 try:
                     results = _run_peers(root / f"{tag}_{count}", specs, seconds, join=True, options=options, logs=logs)
+                except RuntimeError as e:  # a peer died (e.g. the OOM killer on a shared machine): the next row
+                    print(f"  {count:2d}  {name:40s}  failed: {str(e).splitlines()[0]}", flush=True)
+                    continue
                 finally:
                     os.environ.clear()
                     os.environ.update(saved)
