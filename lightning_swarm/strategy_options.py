@@ -95,7 +95,7 @@ def hivemind_optimizer_options(
     averager_opts: Optional[Dict[str, Any]],
     tracker_opts: Optional[Dict[str, Any]],
     verbose: bool,
-    overlap_max_peers: Optional[int] = None,
+    overlap_max_peers: Optional[int] = 2,
     max_stale_epochs: int = DEFAULT_MAX_STALE_EPOCHS,
 ) -> Dict[str, Any]:
     """The SwarmOptimizer arguments of HivemindStrategy's options (same names and meaning), defaults filled in."""

@@ -12,10 +12,11 @@ SwarmOptimizer changes these things and nothing else:
 - in a swarm, state averaging rounds are pre-scheduled like gradient rounds (hivemind 1.1.12 never does, see
   ``_maybe_schedule_state_averaging``), so their group is ready when the epoch ends;
 - overlapping rounds (the overlap options ``delay_optimizer_step`` / ``delay_grad_averaging`` /
-  ``delay_state_averaging``) hold in swarms of any size: each round is matched with rounds of its own epoch, a
+  ``delay_state_averaging``) no longer fall apart beyond 2 peers: each round is matched with rounds of its own epoch, a
   triggered round without a group is given up (:mod:`~lightning_swarm.hivemind_ext.epoch_rounds`), and a groupmate's
   part that arrives before its group is registered waits for it (:mod:`~lightning_swarm.hivemind_ext.round_groups`);
-  ``overlap_max_peers`` (default None: no limit) can still switch them off in a swarm larger than that;
+  they apply while the swarm has at most ``overlap_max_peers`` peers (default 2; None: any size), synchronous rounds
+  beyond;
   docs/swarm-at-scale.md has the measurements;
 - a newcomer's state download is verified, logged and retried, and skips the gradient buffers
   (:mod:`~lightning_swarm.hivemind_ext.state_download`); its retries end when ``stop_waiting()`` says so; a state at
@@ -59,9 +60,10 @@ from lightning_swarm.hivemind_ext.tracker import ThrottledProgressTracker
 
 log = logging.getLogger(__name__)
 
-# no limit: with rounds matched per epoch, overlapped rounds of 4 peers were no longer slower than synchronous ones
+# the largest swarm in which the overlap options were measured not to lose to synchronous rounds: with rounds matched
+# per epoch 4 peers were within the noise of synchronous ones, 8 peers 0.69x with twice the partial rounds
 # (docs/swarm-at-scale.md)
-DEFAULT_OVERLAP_MAX_PEERS = None
+DEFAULT_OVERLAP_MAX_PEERS = 2
 OVERLAP_OPTIONS = ("delay_optimizer_step", "delay_grad_averaging", "delay_state_averaging")
 
 
@@ -136,7 +138,7 @@ class SwarmOptimizer(CatchUpAfterDownload, hivemind.Optimizer):
     averager's through ``grad_averager_factory``. ``swarm_auth`` (a :class:`~lightning_swarm.hivemind_ext.credentials.PeerCredentials`
     such as :class:`~lightning_swarm.auth.peer.SwarmAuth`, in a run with an authority) is handed to the tracker and both averagers (see
     :mod:`lightning_swarm.hivemind_ext.auth_guards`); the DHT must have been created with its authorizer.
-    ``overlap_max_peers`` (default None: no limit): if ``delay_optimizer_step`` or ``delay_grad_averaging`` is on,
+    ``overlap_max_peers`` (default 2; None: no limit): if ``delay_optimizer_step`` or ``delay_grad_averaging`` is on,
     they (and ``delay_state_averaging``, if on) apply while the swarm has at most this many peers; in a larger
     swarm this peer averages synchronously, and says so in the log when it switches. ``client_mode`` left out (or
     None) is the DHT's, as hivemind documents but 1.1.12 does not do. ``max_stale_epochs``: a downloaded state that
