@@ -40,6 +40,9 @@ DEFAULT_MIN_ALIGNMENT = 0.5
 # aligned_centered_clip with 2 senders whose parts agree in direction: each part is clipped to this many times the
 # shorter one's norm (parts that disagree: to the shorter one's norm)
 TWO_SENDER_AGREEING_CLIP = 2.0
+# a record from past rounds (SenderTrust) that lets a sender be believed: alone in a part
+# (small_rounds.LONE_SENDER_MIN_TRUST), or as the reference of a round of 2 (_two_sender_clip)
+TRUSTED_RECORD = 0.5
 # SenderTrust: a judged round weighs this much relative to the next one (~5 rounds of memory)
 TRUST_DECAY = 0.8
 
@@ -246,12 +249,16 @@ def _two_sender_clip(rows: Sequence[torch.Tensor], w: np.ndarray, prior: Optiona
     """Two senders (see :func:`aligned_centered_clip`): nothing in one round tells which of them lies, and their
     CenteredClip is their mean, which a loud sender (x1e3, or -1e3: gradient ascent) decides. So each part is clipped
     to the smaller L2 norm of the two (the reference: the smaller norm among the senders whose weight ``w`` times
-    ``prior`` is at least half the larger's), or to ``TWO_SENDER_AGREEING_CLIP`` times it if the two parts agree in
+    ``prior`` is at least half the larger's; ``prior`` counts only if one of the two is at least ``TRUSTED_RECORD``,
+    else both weigh ``w``), or to ``TWO_SENDER_AGREEING_CLIP`` times it if the two parts agree in
     direction (inner product >= 0), then weighted by ``w`` times ``prior``. Whatever one of them sends, the result
     goes along the other's part (its component along it is at least 0) and is at most 1.5 times as long as it.
     Returns (result, [1.0, 1.0], each sender's ratio ``min(1, reference norm / its norm)``)."""
     scaled = w
-    if prior is not None and (w * np.asarray(prior, dtype=np.float64)).sum() > 0:
+    # the records decide only if one of the two is trusted: records both near 0 (an honest peer's noisy slice can
+    # record 0 in a round of 3, a loud one's records ~0.01) would otherwise hand the weight, and the reference norm,
+    # to whichever is a little less low, a loud ascent included (its part then decided the round, reversed x1e3)
+    if prior is not None and max(prior) >= TRUSTED_RECORD:
         scaled = w * np.asarray(prior, dtype=np.float64)
     norms = np.array([math.sqrt(max(float(torch.dot(row, row)), 0.0)) for row in rows])
     # the reference is a sender of (about) full weight: one its record almost silenced must not shrink the other

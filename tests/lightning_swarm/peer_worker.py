@@ -53,17 +53,21 @@ def cpu_seconds() -> dict:
     return {"cpu_main": main, "cpu_background": background + own.user + own.system - main}
 
 
-def make_regression_data(num_samples: int, in_dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Deterministic synthetic regression data: y = x @ w + noise."""
+def make_regression_data(num_samples: int, in_dim: int, seed: int, noise: float = 0.1,
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic synthetic regression data: y = x @ w + noise x N(0, 1) (w: N(0, 1), x: N(0, I)), so that the best
+    possible mean squared error (the noise floor) is ``noise ** 2``."""
     # separate generators, so that sample i is the same whatever num_samples is
     x = torch.randn(num_samples, in_dim, generator=torch.Generator().manual_seed(seed))
     w = torch.randn(in_dim, 1, generator=torch.Generator().manual_seed(1234))
-    y = x @ w + 0.1 * torch.randn(num_samples, 1, generator=torch.Generator().manual_seed(seed + 1))
+    y = x @ w + noise * torch.randn(num_samples, 1, generator=torch.Generator().manual_seed(seed + 1))
     return x, y
 
 
 class TinyRegression(pl.LightningModule):
     """An MLP regressor with SGD and a per-epoch exponential LR decay (a schedule that must follow global epochs).
+
+    hidden: the MLP's hidden width; 0: a linear model (least squares, whose optimum is known: the data's noise floor).
 
     share_samples: if > 0, only the first `share_samples` samples count towards the swarm (later steps report
         batch size 0), so tests can control exactly what each peer contributes.
@@ -80,7 +84,10 @@ class TinyRegression(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(seed)
-        self.net = torch.nn.Sequential(torch.nn.Linear(in_dim, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
+        if hidden:
+            self.net = torch.nn.Sequential(torch.nn.Linear(in_dim, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
+        else:
+            self.net = torch.nn.Sequential(torch.nn.Linear(in_dim, 1))
         if nan_parameters:
             with torch.no_grad():
                 self.net[0].weight[0, 0] = float("nan")
@@ -115,16 +122,17 @@ class TinyRegression(pl.LightningModule):
 
 
 class RegressionData(pl.LightningDataModule):
-    """Samples [offset, offset + num_samples) of the deterministic regression data, in order."""
+    """Samples [offset, offset + num_samples) of the deterministic regression data, in order (``noise``: its noise's
+    standard deviation, see make_regression_data)."""
 
     def __init__(self, batch_size: int = 4, num_samples: int = 100_000, offset: int = 0, in_dim: int = 8,
-                 seed: int = 0):
+                 seed: int = 0, noise: float = 0.1):
         super().__init__()
         self.save_hyperparameters()
 
     def train_dataloader(self) -> DataLoader:
         h = self.hparams
-        x, y = make_regression_data(h.offset + h.num_samples, h.in_dim, h.seed)
+        x, y = make_regression_data(h.offset + h.num_samples, h.in_dim, h.seed, h.noise)
         dataset = TensorDataset(x[h.offset:], y[h.offset:])
         return DataLoader(dataset, batch_size=h.batch_size, shuffle=False)
 
