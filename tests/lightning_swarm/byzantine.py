@@ -78,15 +78,17 @@ class ByzantineStrategy(HivemindStrategy):
         return lambda *args, **kwargs: ByzantineGradientAverager(*args, attack=attack, **kwargs)
 
 
-# Least squares (a linear model) on data with noise 1.0, so that the clean swarm reaches the noise floor (validation
-# loss ~0.95-1.0 from ~9 at initialisation) within STOP_AT_EPOCH global steps: an SGD step of lr 0.4 takes ~80% of the
-# way to the optimum (the loss's Hessian is ~2 I), so a step lost to the race (a lone sender's refused part, a round
-# that fell back to local gradients, a short epoch) costs the final loss about nothing, and what is left is what an
-# attacker costs. (The earlier MLP, 4 epochs at lr 0.05, stopped far from convergence: its loss followed how much of
-# each step the race left, 0.87 to 1.05 between clean runs, and no 10% bound could hold over one clean run.)
+# Least squares (a linear model) on data with noise 0.5, so that the clean swarm reaches the noise floor (validation
+# loss ~0.24, from 1.62 at initialisation) within STOP_AT_EPOCH global steps, and what is left is what an attacker
+# costs. The LR is 0.5 / (1 + epoch): the first step is about Newton's (the loss's Hessian is ~2 I), and each later
+# one averages that epoch's fit in, so a step lost to the race (a lone sender's refused part, a round that fell back
+# to local gradients) or taken on a few samples moves the final loss by little. (The earlier MLP, 4 epochs at lr 0.05,
+# stopped far from convergence: its loss followed how much of each step the race left, 0.87 to 1.05 between clean
+# runs, and no 10% bound could hold over one clean run. At a constant lr 0.4 the last epoch's noise stayed whole: one
+# NaN-attacked run ended x1.28 after a last step on a few samples.)
 STOP_AT_EPOCH = 6
-SWARM_MODEL = {"hidden": 0, "lr": 0.4, "lr_decay": 1.0, "step_delay": 0.01}
-SWARM_DATA_NOISE = 0.5  # the noise floor: validation loss ~0.25 (that of the true weights: noise_floor())
+SWARM_MODEL = {"hidden": 0, "lr": 0.5, "lr_harmonic": True, "step_delay": 0.01}
+SWARM_DATA_NOISE = 0.5  # the noise floor: validation loss ~0.24 (that of the true weights: noise_floor())
 SWARM_TARGET_BATCH_SIZE = 384
 
 
@@ -101,22 +103,26 @@ def swarm_strategy_args(run_id: str, aggregation: str, worker_momentum: float = 
     return args
 
 
-def run_swarm(root: Path, attack: Optional[str], aggregation: str = "centered_clip", timeout: float = 150.0,
+def run_swarm(root: Path, attack: Optional[str], aggregation: str = "centered_clip", timeout: float = 200.0,
               worker_momentum: float = 0.0, min_alignment: Optional[float] = DEFAULT_MIN_ALIGNMENT,
+              log_dir: Optional[Path] = None, **strategy_overrides,
               ) -> Tuple[List[Dict[str, torch.Tensor]], List[str]]:
     """Train 3 peers to STOP_AT_EPOCH, the third attacking with ``attack`` (None: honest); return the two honest
     peers' parameters at that epoch and their logs. Every peer (the attacker too: it then negates, scales or
     replaces its momentum) uses ``worker_momentum`` and CenteredClip's ``min_alignment`` (None: no alignment
-    screen). Every peer is killed on return."""
+    screen). ``log_dir``: copy every peer's log there (the attacker's too) on return; ``strategy_overrides``: more
+    HivemindStrategy options for every peer (e.g. ``verbose=True``: hivemind logs each round). Every peer is killed on
+    return."""
     from swarm_harness import Peer
 
-    recorder = {"stop_at_epoch": STOP_AT_EPOCH, "max_seconds": 100, "barrier_dir": str(root / "barrier"),
+    recorder = {"stop_at_epoch": STOP_AT_EPOCH, "max_seconds": 150, "barrier_dir": str(root / "barrier"),
                 "barrier_count": 3}
     run_id = f"byz_{attack or 'none'}_{aggregation}_m{worker_momentum * 100:.0f}"  # no '.': hivemind refuses it
     started = []
     try:
-        strategy = swarm_strategy_args(run_id, aggregation, worker_momentum, min_alignment)
-        first = Peer(root, "first", strategy, model=SWARM_MODEL, data={"batch_size": 16, "noise": SWARM_DATA_NOISE}, recorder=recorder)
+        strategy = swarm_strategy_args(run_id, aggregation, worker_momentum, min_alignment, **strategy_overrides)
+        first = Peer(root, "first", strategy, model=SWARM_MODEL, data={"batch_size": 16, "noise": SWARM_DATA_NOISE},
+                     recorder=recorder)
         started.append(first)
         join = first.join_peers()
         strategy = dict(strategy, initial_peers=join)
@@ -128,7 +134,8 @@ def run_swarm(root: Path, attack: Optional[str], aggregation: str = "centered_cl
         if attack is not None:
             trainer = {"strategy": {"class_path": "byzantine.ByzantineStrategy",
                                     "init_args": dict(third_strategy, attack=attack)}}
-        started.append(Peer(root, "third", third_strategy, model=SWARM_MODEL, data={"batch_size": 16, "offset": 60_000, "noise": SWARM_DATA_NOISE},
+        started.append(Peer(root, "third", third_strategy, model=SWARM_MODEL,
+                            data={"batch_size": 16, "offset": 60_000, "noise": SWARM_DATA_NOISE},
                             recorder=recorder, trainer=trainer))
         for peer in (first, second):
             peer.wait(timeout=timeout)
@@ -138,6 +145,9 @@ def run_swarm(root: Path, attack: Optional[str], aggregation: str = "centered_cl
     finally:
         for peer in started:
             peer.kill()
+            if log_dir is not None:
+                Path(log_dir).mkdir(parents=True, exist_ok=True)
+                (Path(log_dir) / f"{peer.name}.log").write_text(peer.log())
 
 
 def validation_loss(params: Optional[Dict[str, torch.Tensor]] = None) -> float:

@@ -68,6 +68,9 @@ class TinyRegression(pl.LightningModule):
     """An MLP regressor with SGD and a per-epoch exponential LR decay (a schedule that must follow global epochs).
 
     hidden: the MLP's hidden width; 0: a linear model (least squares, whose optimum is known: the data's noise floor).
+    lr_harmonic: the LR at global epoch k is ``lr / (1 + k)`` instead of ``lr * lr_decay ** k``. On least squares with
+        inputs N(0, I) (loss Hessian 2 I) and ``lr`` 0.5, the parameters after k epochs are then the mean of the k
+        epochs' least-squares fits, so no single epoch's gradient noise (a step on a few samples) is left whole.
 
     share_samples: if > 0, only the first `share_samples` samples count towards the swarm (later steps report
         batch size 0), so tests can control exactly what each peer contributes.
@@ -79,6 +82,7 @@ class TinyRegression(pl.LightningModule):
 
     def __init__(self, in_dim: int = 8, hidden: int = 32, lr: float = 0.1, lr_decay: float = 0.5,
                  momentum: float = 0.0, seed: int = 0, share_samples: int = 0, step_delay: float = 0.0,
+                 lr_harmonic: bool = False,
                  overflow_at_batches: tuple[int, ...] = (), nan_at_batches: tuple[int, ...] = (),
                  nan_parameters: bool = False):
         super().__init__()
@@ -115,8 +119,9 @@ class TinyRegression(pl.LightningModule):
 
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
-        decay = self.hparams.lr_decay
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: decay**epoch)
+        decay, harmonic = self.hparams.lr_decay, self.hparams.lr_harmonic
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, (lambda epoch: 1.0 / (1 + epoch)) if harmonic else (lambda epoch: decay**epoch))
         # interval "step": without the strategy, Lightning would decay the LR every local step
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
