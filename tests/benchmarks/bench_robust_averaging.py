@@ -12,7 +12,7 @@
    calls each, in CPU time of the calling thread (less sensitive than wall time to other processes on a shared
    machine).
 3. attacks: the honest peers' validation loss in a 3-peer HivemindStrategy swarm (tests/lightning_swarm/byzantine.py:
-   least squares to its noise floor, STOP_AT_EPOCH global epochs; before 9b91dfe an MLP, 4 epochs) without an
+   least squares to its noise floor, STOP_AT_EPOCH global epochs; before 2e13298 an MLP, 4 epochs) without an
    attacker and with a third peer that sends gradients x1e3, NaN gradients, or claims weight 1e9 with negated
    gradients; each with aggregation="mean" and "centered_clip", with each worker momentum of BENCH_WORKER_MOMENTA
    (default 0: off), attacker included, and for CenteredClip each alignment screen of BENCH_MIN_ALIGNMENTS
