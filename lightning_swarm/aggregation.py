@@ -40,6 +40,11 @@ DEFAULT_MIN_ALIGNMENT = 0.5
 # aligned_centered_clip with 2 senders whose parts agree in direction: each part is clipped to this many times the
 # shorter one's norm (parts that disagree: to the shorter one's norm)
 TWO_SENDER_AGREEING_CLIP = 2.0
+# a record from past rounds (SenderTrust) that lets a sender be believed: alone in a part
+# (small_rounds.LONE_SENDER_MIN_TRUST), or as the reference of a round of 2 (_two_sender_clip)
+TRUSTED_RECORD = 0.5
+# aligned_centered_clip: a sender more than this many times the vote's radius from the vote is left out of the vote
+FAR_FROM_VOTE = 10.0
 # SenderTrust: a judged round weighs this much relative to the next one (~5 rounds of memory)
 TRUST_DECAY = 0.8
 
@@ -157,7 +162,9 @@ def aligned_centered_clip(
     weights (capped at the median) times ``prior`` times those factors. So a sender kept at full weight goes along
     at least ``min_alignment`` of the step: it can lower the result's component along ``u`` by at most
     ``1 - min_alignment`` times its weight share, whatever it sends. The reference is the robust estimate itself, as
-    FLTrust (Cao et al., NDSS 2021) scores each sender against a trusted gradient.
+    FLTrust (Cao et al., NDSS 2021) scores each sender against a trusted gradient. A sender more than
+    ``FAR_FROM_VOTE`` times the vote's radius away is left out of the vote, which is taken again at the same radius:
+    clipped, it still bent the vote by about half the others' spread.
 
     Lowering an honest sender's weight (its part was noisy) raises everyone else's share, an attacker's too: so
     whenever weights were lowered, the second CenteredClip keeps the clipping radius of the vote (``tau`` if given),
@@ -168,8 +175,9 @@ def aligned_centered_clip(
     Args:
         parts, weights, tau, iters: as :func:`centered_clip`.
         min_alignment: in (0, 1], or None: no alignment screen (``prior`` still applies).
-        prior: each sender's weight factor in [0, 1] from past rounds (None: 1 each). Ignored if it would leave no
-            weight at all.
+        prior: each sender's weight factor in [0, 1] from past rounds (None: 1 each). Counts only if some sender's is
+            at least ``TRUSTED_RECORD`` (records all low can't tell who is honest). If the alignment factors would
+            leave no weight at all, the senders weigh as in the vote.
         statement: if a list, the result is made an exact combination of the parts (one last CenteredClip step with
             the final clip scales as coefficients; the part ``own``, the reducer's, clipped against the result), and
             its :class:`~lightning_swarm.reducer_checks.Combination` is appended (see that module).
@@ -210,11 +218,22 @@ def aligned_centered_clip(
     gram, start_products, start_norm2 = products[:n, :n], products[:n, n], products[n, n]
     # n numbers a step: numpy, whose calls on tiny arrays cost microseconds where torch's cost tens
     scaled = w
-    if prior is not None and (w * np.asarray(prior, dtype=np.float64)).sum() > 0:
+    # the records count only if a sender is trusted (as in _two_sender_clip): records all near 0 (honest peers'
+    # noisy slices, a loud sender's ~0.01), renormalised, would hand the weight to the one a little less low
+    if prior is not None and max(prior) >= TRUSTED_RECORD:
         scaled = w * np.asarray(prior, dtype=np.float64)
     factors, radius, scales = np.ones(n), tau, np.ones(n)
     if min_alignment is not None and n > 2:
         direction, vote_radius = _clip_coefficients(np.full(n, 1.0 / n), gram, start_products, start_norm2, tau, iters)
+        # a sender far outside the others (x1e3, -1e3 x) still bends the vote towards it by about half the others'
+        # spread (the radius is theirs), and where honest parts are mostly noise (near convergence, small parts) they
+        # were then judged against its direction: the vote is taken again without it, at the same radius
+        vote_weights = np.full(n, 1.0 / n)
+        far = _distances(direction, gram) > FAR_FROM_VOTE * vote_radius
+        if far.any() and (~far).sum() >= 2:
+            vote_weights = np.where(far, 0.0, 1.0 / (~far).sum())
+            direction, vote_radius = _clip_coefficients(vote_weights, gram, start_products, start_norm2, vote_radius,
+                                                        iters)
         # <x_i, u> and |u|^2 from the Gram matrix: x_i = start + D e_i, u = start + D a
         along = start_norm2 + start_products @ direction + start_products + gram @ direction
         norm2 = start_norm2 + 2 * start_products @ direction + direction @ gram @ direction
@@ -222,9 +241,9 @@ def aligned_centered_clip(
             factors = np.clip(along / norm2 / min_alignment, 0.0, 1.0)
             if (scaled * factors).sum() > 0:
                 scaled = scaled * factors
-        differences_to_u = np.eye(n) - direction
-        distances = np.sqrt(np.maximum(np.einsum("ik,kl,il->i", differences_to_u, gram, differences_to_u), 0.0))
-        scales = np.minimum(1.0, vote_radius / np.maximum(distances, 1e-30))
+            else:  # no sender goes along the vote (parts of noise): they weigh as in the vote (a far one clipped)
+                scaled = vote_weights
+        scales = np.minimum(1.0, vote_radius / np.maximum(_distances(direction, gram), 1e-30))
         if not np.allclose(scaled / scaled.sum(), w):
             radius = vote_radius
     coefficients, _ = _clip_coefficients(scaled / scaled.sum(), gram, start_products, start_norm2, radius, iters)
@@ -246,12 +265,16 @@ def _two_sender_clip(rows: Sequence[torch.Tensor], w: np.ndarray, prior: Optiona
     """Two senders (see :func:`aligned_centered_clip`): nothing in one round tells which of them lies, and their
     CenteredClip is their mean, which a loud sender (x1e3, or -1e3: gradient ascent) decides. So each part is clipped
     to the smaller L2 norm of the two (the reference: the smaller norm among the senders whose weight ``w`` times
-    ``prior`` is at least half the larger's), or to ``TWO_SENDER_AGREEING_CLIP`` times it if the two parts agree in
+    ``prior`` is at least half the larger's; ``prior`` counts only if one of the two is at least ``TRUSTED_RECORD``,
+    else both weigh ``w``), or to ``TWO_SENDER_AGREEING_CLIP`` times it if the two parts agree in
     direction (inner product >= 0), then weighted by ``w`` times ``prior``. Whatever one of them sends, the result
     goes along the other's part (its component along it is at least 0) and is at most 1.5 times as long as it.
     Returns (result, [1.0, 1.0], each sender's ratio ``min(1, reference norm / its norm)``)."""
     scaled = w
-    if prior is not None and (w * np.asarray(prior, dtype=np.float64)).sum() > 0:
+    # the records decide only if one of the two is trusted: records both near 0 (an honest peer's noisy slice can
+    # record 0 in a round of 3, a loud one's records ~0.01) would otherwise hand the weight, and the reference norm,
+    # to whichever is a little less low, a loud ascent included (its part then decided the round, reversed x1e3)
+    if prior is not None and max(prior) >= TRUSTED_RECORD:
         scaled = w * np.asarray(prior, dtype=np.float64)
     norms = np.array([math.sqrt(max(float(torch.dot(row, row)), 0.0)) for row in rows])
     # the reference is a sender of (about) full weight: one its record almost silenced must not shrink the other
@@ -294,6 +317,12 @@ def _clip_coefficients(w: np.ndarray, gram: np.ndarray, start_products: np.ndarr
         if math.sqrt(max(step @ gram @ step, 0.0)) <= CENTERED_CLIP_TOLERANCE * math.sqrt(max(norm2, 0.0)):
             break
     return coefficients, radius
+
+
+def _distances(coefficients: np.ndarray, gram: np.ndarray) -> np.ndarray:
+    """Each sender's distance to ``v = start + D coefficients`` (``x_i = start + D e_i``), from ``D``'s Gram matrix."""
+    differences = np.eye(len(coefficients)) - coefficients
+    return np.sqrt(np.maximum(np.einsum("ik,kl,il->i", differences, gram, differences), 0.0))
 
 
 def _gram(rows: torch.Tensor) -> np.ndarray:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from lightning_swarm.aggregation import Refusal
+from lightning_swarm.aggregation import TRUSTED_RECORD, Refusal
 
 # with the alignment screen, the only sender of a part is believed only if seen before with at least this trust
-LONE_SENDER_MIN_TRUST = 0.5
+LONE_SENDER_MIN_TRUST = TRUSTED_RECORD
 # with the alignment screen, of 2 senders, one whose part is more than this many times as long as the other's is
 # recorded as an outlier (honest parts of one round differ by their noise: a few times at most)
 LOUD_RATIO = 10.0

@@ -12,10 +12,11 @@
    calls each, in CPU time of the calling thread (less sensitive than wall time to other processes on a shared
    machine).
 3. attacks: the honest peers' validation loss in a 3-peer HivemindStrategy swarm (tests/lightning_swarm/byzantine.py:
-   tiny regression, 4 global epochs) without an attacker and with a third peer that sends gradients x1e3, NaN
-   gradients, or claims weight 1e9 with negated gradients; each with aggregation="mean" and "centered_clip", with
-   each worker momentum of BENCH_WORKER_MOMENTA (default 0: off), attacker included, and for CenteredClip each
-   alignment screen of BENCH_MIN_ALIGNMENTS (default 0.5; "off": none).
+   least squares to its noise floor, STOP_AT_EPOCH global epochs; before 2e13298 an MLP, 4 epochs) without an
+   attacker and with a third peer that sends gradients x1e3, NaN gradients, or claims weight 1e9 with negated
+   gradients; each with aggregation="mean" and "centered_clip", with each worker momentum of BENCH_WORKER_MOMENTA
+   (default 0: off), attacker included, and for CenteredClip each alignment screen of BENCH_MIN_ALIGNMENTS
+   (default 0.5; "off": none).
 
    The robust variants check each reducer's result (issue 24 item 9) unless "+unverified" is in their name
    (BENCH_VARIANTS=centered_clip,centered_clip+unverified,mean,mean+unverified: the check's cost side by side).
@@ -169,7 +170,7 @@ def bench_part() -> None:
 def bench_attacks() -> None:
     sys.path[:0] = [str(TESTS), str(REPO)]
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    from byzantine import run_swarm, validation_loss
+    from byzantine import STOP_AT_EPOCH, run_swarm, validation_loss
 
     from lightning_swarm.aggregation import DEFAULT_MIN_ALIGNMENT
 
@@ -180,7 +181,8 @@ def bench_attacks() -> None:
     attacks = os.environ.get("BENCH_ATTACKS", "none,scale,nan,weight").split(",")
     columns = [(aggregation, beta, alignment) for aggregation in aggregations for beta in momenta
                for alignment in (alignments if aggregation == "centered_clip" else [None])]
-    print(f"\nhonest peers' validation loss after 4 global epochs (initialisation: {validation_loss():.3f})")
+    print(f"\nhonest peers' validation loss after {STOP_AT_EPOCH} global epochs (initialisation: "
+          f"{validation_loss():.3f})")
     names = [f"{aggregation} m={beta:g} a={'off' if alignment is None else alignment}"
              for aggregation, beta, alignment in columns]
     print(f"  {'attack':>8} | " + " | ".join(f"{name:>28}" for name in names))

@@ -78,10 +78,17 @@ class ByzantineStrategy(HivemindStrategy):
         return lambda *args, **kwargs: ByzantineGradientAverager(*args, attack=attack, **kwargs)
 
 
-STOP_AT_EPOCH = 4
-# far from convergence after STOP_AT_EPOCH epochs, so that the loss hardly depends on which samples each epoch had
-# (in-process simulation: 1.6% relative std over sample draws), and an attack shows
-SWARM_MODEL = {"lr": 0.05, "lr_decay": 1.0, "step_delay": 0.01}
+# Least squares (a linear model) on data with noise 0.5, so that the clean swarm reaches the noise floor (validation
+# loss ~0.24, from 1.62 at initialisation) within STOP_AT_EPOCH global steps, and what is left is what an attacker
+# costs. The LR is 0.5 / (1 + epoch): the first step is about Newton's (the loss's Hessian is ~2 I), and each later
+# one averages that epoch's fit in, so a step lost to the race (a lone sender's refused part, a round that fell back
+# to local gradients) or taken on a few samples moves the final loss by little. (The earlier MLP, 4 epochs at lr 0.05,
+# stopped far from convergence: its loss followed how much of each step the race left, 0.87 to 1.05 between clean
+# runs, and no 10% bound could hold over one clean run. At a constant lr 0.4 the last epoch's noise stayed whole: one
+# NaN-attacked run ended x1.28 after a last step on a few samples.)
+STOP_AT_EPOCH = 6
+SWARM_MODEL = {"hidden": 0, "lr": 0.5, "lr_harmonic": True, "step_delay": 0.01}
+SWARM_DATA_NOISE = 0.5  # the noise floor: validation loss ~0.24 (that of the true weights: noise_floor())
 SWARM_TARGET_BATCH_SIZE = 384
 
 
@@ -96,34 +103,39 @@ def swarm_strategy_args(run_id: str, aggregation: str, worker_momentum: float = 
     return args
 
 
-def run_swarm(root: Path, attack: Optional[str], aggregation: str = "centered_clip", timeout: float = 150.0,
+def run_swarm(root: Path, attack: Optional[str], aggregation: str = "centered_clip", timeout: float = 200.0,
               worker_momentum: float = 0.0, min_alignment: Optional[float] = DEFAULT_MIN_ALIGNMENT,
+              log_dir: Optional[Path] = None, **strategy_overrides,
               ) -> Tuple[List[Dict[str, torch.Tensor]], List[str]]:
     """Train 3 peers to STOP_AT_EPOCH, the third attacking with ``attack`` (None: honest); return the two honest
     peers' parameters at that epoch and their logs. Every peer (the attacker too: it then negates, scales or
     replaces its momentum) uses ``worker_momentum`` and CenteredClip's ``min_alignment`` (None: no alignment
-    screen). Every peer is killed on return."""
+    screen). ``log_dir``: copy every peer's log there (the attacker's too) on return; ``strategy_overrides``: more
+    HivemindStrategy options for every peer (e.g. ``verbose=True``: hivemind logs each round). Every peer is killed on
+    return."""
     from swarm_harness import Peer
 
-    recorder = {"stop_at_epoch": STOP_AT_EPOCH, "max_seconds": 100, "barrier_dir": str(root / "barrier"),
+    recorder = {"stop_at_epoch": STOP_AT_EPOCH, "max_seconds": 150, "barrier_dir": str(root / "barrier"),
                 "barrier_count": 3}
     run_id = f"byz_{attack or 'none'}_{aggregation}_m{worker_momentum * 100:.0f}"  # no '.': hivemind refuses it
     started = []
     try:
-        strategy = swarm_strategy_args(run_id, aggregation, worker_momentum, min_alignment)
-        first = Peer(root, "first", strategy, model=SWARM_MODEL, data={"batch_size": 16}, recorder=recorder)
+        strategy = swarm_strategy_args(run_id, aggregation, worker_momentum, min_alignment, **strategy_overrides)
+        first = Peer(root, "first", strategy, model=SWARM_MODEL, data={"batch_size": 16, "noise": SWARM_DATA_NOISE},
+                     recorder=recorder)
         started.append(first)
         join = first.join_peers()
         strategy = dict(strategy, initial_peers=join)
         second = Peer(root, "second", strategy, model=SWARM_MODEL,
-                      data={"batch_size": 16, "offset": 30_000}, recorder=recorder)
+                      data={"batch_size": 16, "offset": 30_000, "noise": SWARM_DATA_NOISE}, recorder=recorder)
         started.append(second)
         third_strategy = strategy
         trainer = None
         if attack is not None:
             trainer = {"strategy": {"class_path": "byzantine.ByzantineStrategy",
                                     "init_args": dict(third_strategy, attack=attack)}}
-        started.append(Peer(root, "third", third_strategy, model=SWARM_MODEL, data={"batch_size": 16, "offset": 60_000},
+        started.append(Peer(root, "third", third_strategy, model=SWARM_MODEL,
+                            data={"batch_size": 16, "offset": 60_000, "noise": SWARM_DATA_NOISE},
                             recorder=recorder, trainer=trainer))
         for peer in (first, second):
             peer.wait(timeout=timeout)
@@ -133,15 +145,27 @@ def run_swarm(root: Path, attack: Optional[str], aggregation: str = "centered_cl
     finally:
         for peer in started:
             peer.kill()
+            if log_dir is not None:
+                Path(log_dir).mkdir(parents=True, exist_ok=True)
+                (Path(log_dir) / f"{peer.name}.log").write_text(peer.log())
 
 
 def validation_loss(params: Optional[Dict[str, torch.Tensor]] = None) -> float:
-    """MSE of a TinyRegression with ``params`` (None: its initialisation) on 2000 held-out samples."""
+    """MSE of the swarm's model (SWARM_MODEL) with ``params`` (None: its initialisation) on 2000 held-out samples."""
     from peer_worker import TinyRegression, make_regression_data
 
-    model = TinyRegression()
+    model = TinyRegression(hidden=SWARM_MODEL["hidden"])
     if params is not None:
         model.load_state_dict(params)
-    x, y = make_regression_data(2000, 8, seed=99)
+    x, y = make_regression_data(2000, 8, seed=99, noise=SWARM_DATA_NOISE)
     with torch.no_grad():
         return float(torch.nn.functional.mse_loss(model.net(x), y))
+
+
+def noise_floor() -> float:
+    """The validation loss of the data's true weights and zero bias: the best any training reaches, up to ~d/n."""
+    from peer_worker import make_regression_data
+
+    x, y = make_regression_data(2000, 8, seed=99, noise=SWARM_DATA_NOISE)
+    w = torch.randn(8, 1, generator=torch.Generator().manual_seed(1234))  # make_regression_data's weights
+    return float(torch.nn.functional.mse_loss(x @ w, y))

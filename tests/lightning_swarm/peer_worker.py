@@ -53,17 +53,24 @@ def cpu_seconds() -> dict:
     return {"cpu_main": main, "cpu_background": background + own.user + own.system - main}
 
 
-def make_regression_data(num_samples: int, in_dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Deterministic synthetic regression data: y = x @ w + noise."""
+def make_regression_data(num_samples: int, in_dim: int, seed: int, noise: float = 0.1,
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic synthetic regression data: y = x @ w + noise x N(0, 1) (w: N(0, 1), x: N(0, I)), so that the best
+    possible mean squared error (the noise floor) is ``noise ** 2``."""
     # separate generators, so that sample i is the same whatever num_samples is
     x = torch.randn(num_samples, in_dim, generator=torch.Generator().manual_seed(seed))
     w = torch.randn(in_dim, 1, generator=torch.Generator().manual_seed(1234))
-    y = x @ w + 0.1 * torch.randn(num_samples, 1, generator=torch.Generator().manual_seed(seed + 1))
+    y = x @ w + noise * torch.randn(num_samples, 1, generator=torch.Generator().manual_seed(seed + 1))
     return x, y
 
 
 class TinyRegression(pl.LightningModule):
     """An MLP regressor with SGD and a per-epoch exponential LR decay (a schedule that must follow global epochs).
+
+    hidden: the MLP's hidden width; 0: a linear model (least squares, whose optimum is known: the data's noise floor).
+    lr_harmonic: the LR at global epoch k is ``lr / (1 + k)`` instead of ``lr * lr_decay ** k``. On least squares with
+        inputs N(0, I) (loss Hessian 2 I) and ``lr`` 0.5, the parameters after k epochs are then the mean of the k
+        epochs' least-squares fits, so no single epoch's gradient noise (a step on a few samples) is left whole.
 
     share_samples: if > 0, only the first `share_samples` samples count towards the swarm (later steps report
         batch size 0), so tests can control exactly what each peer contributes.
@@ -75,12 +82,16 @@ class TinyRegression(pl.LightningModule):
 
     def __init__(self, in_dim: int = 8, hidden: int = 32, lr: float = 0.1, lr_decay: float = 0.5,
                  momentum: float = 0.0, seed: int = 0, share_samples: int = 0, step_delay: float = 0.0,
+                 lr_harmonic: bool = False,
                  overflow_at_batches: tuple[int, ...] = (), nan_at_batches: tuple[int, ...] = (),
                  nan_parameters: bool = False):
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(seed)
-        self.net = torch.nn.Sequential(torch.nn.Linear(in_dim, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
+        if hidden:
+            self.net = torch.nn.Sequential(torch.nn.Linear(in_dim, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
+        else:
+            self.net = torch.nn.Sequential(torch.nn.Linear(in_dim, 1))
         if nan_parameters:
             with torch.no_grad():
                 self.net[0].weight[0, 0] = float("nan")
@@ -108,23 +119,25 @@ class TinyRegression(pl.LightningModule):
 
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
-        decay = self.hparams.lr_decay
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: decay**epoch)
+        decay, harmonic = self.hparams.lr_decay, self.hparams.lr_harmonic
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, (lambda epoch: 1.0 / (1 + epoch)) if harmonic else (lambda epoch: decay**epoch))
         # interval "step": without the strategy, Lightning would decay the LR every local step
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 class RegressionData(pl.LightningDataModule):
-    """Samples [offset, offset + num_samples) of the deterministic regression data, in order."""
+    """Samples [offset, offset + num_samples) of the deterministic regression data, in order (``noise``: its noise's
+    standard deviation, see make_regression_data)."""
 
     def __init__(self, batch_size: int = 4, num_samples: int = 100_000, offset: int = 0, in_dim: int = 8,
-                 seed: int = 0):
+                 seed: int = 0, noise: float = 0.1):
         super().__init__()
         self.save_hyperparameters()
 
     def train_dataloader(self) -> DataLoader:
         h = self.hparams
-        x, y = make_regression_data(h.offset + h.num_samples, h.in_dim, h.seed)
+        x, y = make_regression_data(h.offset + h.num_samples, h.in_dim, h.seed, h.noise)
         dataset = TensorDataset(x[h.offset:], y[h.offset:])
         return DataLoader(dataset, batch_size=h.batch_size, shuffle=False)
 

@@ -157,7 +157,8 @@ def test_lowering_an_honest_sender_does_not_hand_a_far_attacker_the_result():
     misaligned = -0.5 * true + 0.5 * true.norm() / true.numel() ** 0.5 * torch.randn(true.numel(), generator=generator)
     parts, weights = [first, misaligned, 1e3 * attacker], [176.0, 16.0, 176.0]
     result, factors, scales = aligned_centered_clip(parts, weights, min_alignment=0.5)
-    assert factors == [1.0, 0.0, 1.0]
+    # (the far attacker is left out of the vote, which is then the two others': the misaligned one goes along ~0 of it)
+    assert factors[0] == factors[2] == 1.0 and factors[1] < 1e-2
     assert (result - first).norm() <= (first - misaligned).norm()  # the honest spread, not 1e3
     assert scales[2] < 1e-2 and min(scales[:2]) > 0.3  # the far attacker's record is low even though it goes along
 
@@ -198,3 +199,37 @@ def test_a_sender_seen_in_a_round_of_2_is_known_and_keeps_its_record():
     for _ in range(5000):  # seen again and again: neither forgotten nor forgiven
         trust.update({"b": (1.0, 0.0)})
     assert trust.record("b") == 0.0
+
+
+def test_a_loud_ascent_sender_does_not_bend_the_vote_where_honest_parts_are_mostly_noise():
+    # near convergence: two honest parts whose mean (the true gradient) is 10 times shorter than their noise, and a
+    # sender of -1e3 times the first. Clipped, it still bent the vote by about half the honest spread: the first honest
+    # part then went against the vote and lost its weight, the ascent went along it and kept its own, and the result
+    # went uphill (x -0.99 of the true gradient). Left out of the vote, it loses its weight and the result is the honest
+    # mean.
+    generator = torch.Generator().manual_seed(0)
+    true = torch.randn(1000, generator=generator)
+    true *= 0.1 / true.norm()
+    noise = torch.randn(1000, generator=generator)
+    noise -= (noise @ true) / (true @ true) * true
+    noise *= 1.0 / noise.norm()
+    first, second = true + noise, true - noise
+    result, factors, scales = aligned_centered_clip([first, second, -1e3 * first], [1.0] * 3, min_alignment=0.5)
+    assert factors == [1.0, 1.0, 0.0] and scales[:2] == [1.0, 1.0] and scales[2] < 1e-2
+    assert (result - true).norm() < 1e-3 * true.norm()
+
+
+@pytest.mark.parametrize("num_honest", [1, 2])
+def test_records_all_low_do_not_hand_the_round_to_a_loud_sender(num_honest):
+    # an honest peer's noisy slice can record ~0 in a round of 3, and a loud sender's record is ~0.01: renormalised,
+    # those records gave the loud sender all the weight (and, of 2 senders, made its norm the reference): its -1e3 x
+    # part decided the round. Records that trust nobody now leave the round to this round's own rules.
+    generator = torch.Generator().manual_seed(2)
+    honest = [torch.randn(1000, generator=generator)]
+    honest += [honest[0] + 0.5 * torch.randn(1000, generator=generator)] * (num_honest - 1)
+    attacker = -1e3 * torch.randn(1000, generator=generator)
+    result, _, _ = aligned_centered_clip(honest + [attacker], [1.0] * (num_honest + 1), min_alignment=0.5,
+                                         prior=[0.0] * num_honest + [0.01])
+    honest_mean = sum(honest) / num_honest
+    assert along(result, honest_mean) >= 0.0  # never uphill
+    assert result.norm() <= 1.5 * max(part.norm() for part in honest)  # nor anywhere near the loud part's length
