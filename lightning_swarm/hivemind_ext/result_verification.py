@@ -16,7 +16,8 @@ The arithmetic is :mod:`lightning_swarm.reducer_checks`; this is the plumbing ar
   that fails is not applied (the local values stay, as when a reducer fails), the reducer is named in one log line
   and kept out of this peer's later groups (:meth:`ReportMailbox.exclude_peer`: a leader refuses its join requests,
   a member leaves a group that holds it). A slice that can't be checked (a member's report missing or malformed)
-  is not applied either, and nobody is excluded for it.
+  is not applied either, and nobody is excluded for it. In a group with a client-mode member nothing is checked
+  (it accepts no connection, so it can't get the others' reports): those results are applied as hivemind does.
 
 Private hivemind names used here are listed in :mod:`lightning_swarm.hivemind_ext.private_api`.
 """
@@ -31,6 +32,7 @@ from typing import AsyncIterator, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.compression.serialization import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
@@ -133,6 +135,7 @@ class ReportMailbox:
         self.verification_timeout = verification_timeout
         self._mailboxes: Dict[bytes, _Mailbox] = {}
         self.excluded_peers: Dict[PeerID, str] = {}  # averager process: peer -> why
+        self._warned_client_groups = False
         super().__init__(*args, **kwargs)
 
     async def rpc_reducer_report(self, request: averaging_pb2.AveragingData, context: P2PContext
@@ -185,6 +188,15 @@ class ReportMailbox:
         reducers = [r for r, parts in enumerate(parts_by_reducer) if parts and r != me]
         if runner.peer_id not in senders or not others or not any(parts_by_reducer):
             return set()  # (a sender with no slice to check still reports: the others need its projections)
+        modes = dict(zip(peers, runner.modes))
+        if any(modes[peer] == AveragingMode.CLIENT for peer in senders):
+            # a client-mode member accepts no connection, so it can't get the others' reports (all members see the
+            # same modes: none of them runs the exchange). Such a group's results are applied unchecked.
+            if not self._warned_client_groups:
+                self._warned_client_groups = True
+                log.warning("[lightning_swarm] averaging: reducer results are not checked in groups with client-mode "
+                            "members (they accept no connection, so they can't get the others' reports)")
+            return set()
         mailbox = self._mailboxes[group_id]
         timeout = self.verification_timeout
         nonce = os.urandom(NONCE_BYTES)
