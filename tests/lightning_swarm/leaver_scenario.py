@@ -108,20 +108,25 @@ def run_leaver_scenario(root: Path, rounds_before: int = 3, rounds_after: int = 
 
 
 def summarize(result: Dict[str, Any]) -> Dict[str, Any]:
-    """Per survivor: the median seconds of its rounds before the kill, the seconds and outcome of the round the victim
-    died in, and the epochs it advanced through afterwards."""
+    """Per survivor: the median seconds of its rounds before the kill, the seconds and outcome of the first round
+    that ended after the victim died (``killed_mid_round``: whether it was under way at the kill), and the epochs it
+    advanced through afterwards."""
     summary = {}
     killed_at = result["killed_at"]
     for name, found in result["survivors"].items():
-        # the survivor's round under way when the victim died (peers' epochs may differ by one: align by time)
-        hit_epoch = next((epoch for epoch, r in found.items() if r["seconds"] is not None
-                          and r["start"] <= killed_at <= r["start"] + r["seconds"]), None)
+        # the survivor's first round that ended after the victim died (peers' epochs may differ by one: align by
+        # time). Usually the round under way at the kill; when the victim was late for that round's matchmaking
+        # (a loaded machine), the survivors may have averaged without it and the death hits their next round,
+        # whose group the dead peer's DHT records still invite it to.
+        hit_epoch = next((epoch for epoch, r in sorted(found.items()) if r["seconds"] is not None
+                          and r["start"] + r["seconds"] >= killed_at), None)
         hit = found.get(hit_epoch) or {}
         before = [r["seconds"] for epoch, r in found.items() if hit_epoch is not None and epoch < hit_epoch
                   and r["seconds"] is not None and r["outcome"] and "with 3 peers" in r["outcome"]]
         summary[name] = dict(normal_median_s=statistics.median(before) if before else None,
                              normal_max_s=max(before) if before else None, killed_round_epoch=hit_epoch,
                              killed_round_s=hit.get("seconds"), killed_round_outcome=hit.get("outcome"),
+                             killed_mid_round=bool(hit) and hit["start"] <= killed_at,
                              after=[(epoch, r["outcome"]) for epoch, r in sorted(found.items())
                                     if hit_epoch is not None and epoch > hit_epoch])
     return summary
