@@ -115,6 +115,19 @@ class ThrottledProgressTracker(ProgressTracker):
         if urgent:
             self.should_report_progress.set_now()
 
+    @property
+    def ready_to_update_epoch(self) -> bool:
+        """Whether this peer ends the epoch now: as hivemind decides (the swarm reached ``target_batch_size``, or
+        the estimated time of the epoch's end has passed), except that a peer alone ends it exactly at
+        ``target_batch_size``. The time estimate keeps the peers of a swarm in step; a lone peer has nobody to keep
+        in step with, and after any pause longer than its estimate (a validation, a stall of a loaded machine) it
+        took a global step on a single batch: how many updates a fit made, and where its LR schedule ended,
+        depended on the machine's timing (issue 28: the same command gave another fit under load)."""
+        progress = self.global_progress
+        if progress.num_peers <= 1:
+            return self.global_epoch > self.local_progress.epoch or progress.samples_accumulated >= self.target_batch_size
+        return super().ready_to_update_epoch
+
     def _parse_swarm_progress_data(self, metadata) -> GlobalTrainingProgress:
         # strangers write these records: malformed ones (types, ranges, non-finite values) are ignored and logged
         metadata = well_formed_records(metadata, get_dht_time(), keep=self._local_public_key)

@@ -165,3 +165,54 @@ def test_a_peer_counts_itself_before_its_own_record_is_in_the_dht(dht):
     finally:
         first.shutdown(timeout=5)
         other.shutdown()
+
+
+def _estimate_passed(tracker: ThrottledProgressTracker) -> None:
+    """What a pause longer than the estimate (a validation, a stalled process) leaves: the estimated end of the
+    epoch in the past while the samples are short of target_batch_size."""
+    from dataclasses import replace
+
+    from hivemind.utils import get_dht_time
+
+    with tracker.lock_global_progress:
+        tracker.global_progress = replace(tracker.global_progress, eta_next_epoch=get_dht_time() - 1.0)
+
+
+def test_a_lone_peer_ends_its_epoch_exactly_at_target_batch_size(dht):
+    # issue 28: hivemind's time estimate made a lone peer step on a single batch after a pause, so a fit's updates
+    # depended on the machine's timing
+    tracker = ThrottledProgressTracker(dht=dht, prefix="lone", target_batch_size=32, min_report_interval=0.1,
+                                       start=True)
+    try:
+        tracker.report_local_progress(0, 16)
+        assert tracker.fetched_global_progress_this_epoch.wait(timeout=10)
+        _estimate_passed(tracker)
+        assert tracker.global_progress.num_peers <= 1
+        assert not tracker.ready_to_update_epoch, "a lone peer ended its epoch on half the target after a pause"
+        tracker.report_local_progress(0, 32)
+        assert tracker.ready_to_update_epoch
+    finally:
+        tracker.shutdown(timeout=5)
+
+
+def test_in_a_swarm_the_estimated_end_still_ends_the_epoch(dht):
+    # peers of a swarm keep in step by the estimate: a peer whose partner's samples are late still steps on time
+    first = ThrottledProgressTracker(dht=dht, prefix="pair", target_batch_size=1000, min_report_interval=0.1,
+                                     min_refresh_period=0.1, default_refresh_period=0.2, max_refresh_period=0.2,
+                                     start=True)
+    other = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                         initial_peers=[str(a) for a in dht.get_visible_maddrs()])
+    second = ThrottledProgressTracker(dht=other, prefix="pair", target_batch_size=1000, min_report_interval=0.1,
+                                      min_refresh_period=0.1, default_refresh_period=0.2, max_refresh_period=0.2,
+                                      private_key=RSAPrivateKey(), start=True)
+    try:
+        first.report_local_progress(0, 16)
+        second.report_local_progress(0, 16)
+        _wait_for(lambda: first.global_progress.num_peers == 2, timeout=10)
+        _estimate_passed(first)
+        assert first.global_progress.samples_accumulated < 1000
+        assert first.ready_to_update_epoch
+    finally:
+        first.shutdown(timeout=5)
+        second.shutdown(timeout=5)
+        other.shutdown()
