@@ -118,7 +118,9 @@ def check_emulation(facts: dict) -> None:
         problems.append(f"ATen's CPU capability is {facts['cpu_capability']}")
     if "AVX-512" in facts["onednn_isa"] or "AVX2" not in facts["onednn_isa"]:
         problems.append(f"oneDNN runs {facts['onednn_isa'] or 'an unknown ISA'}")
-    if facts["mkl_isa"] and "AVX2" not in facts["mkl_isa"]:
+    # MKL names the ISA it runs on Intel CPUs only (on AMD: "Intel(R) Architecture processors"): refuse AVX-512
+    if "AVX-512" in facts["mkl_isa"] or ("Intel(R) Advanced Vector Extensions" in facts["mkl_isa"]
+                                         and "AVX2" not in facts["mkl_isa"]):
         problems.append(f"MKL runs {facts['mkl_isa']}")
     if problems:
         raise RuntimeError("--emulate-avx2 did not take effect: " + "; ".join(problems))

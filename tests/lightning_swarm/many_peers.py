@@ -1,6 +1,7 @@
 """A many-peer harness: N peers of the real HivemindStrategy on simulated accelerators (sim_peer.py), each a separate
 process group on 127.0.0.1, with per-peer speeds, client-mode peers, churn (SIGKILL a peer's whole process group,
-start a new peer in its place) and per-peer memory sampling. Everything it starts is killed when the swarm is
+start a new peer in its place) and per-peer memory sampling, optionally each peer in a network namespace behind a
+shaped link (``network``: a :class:`netns_harness.ShapedNetwork`). Everything it starts is killed when the swarm is
 closed, at interpreter exit, and on failure; :meth:`ManyPeerSwarm.leftovers` lists any process still alive.
 
     with ManyPeerSwarm(tmp_path, specs, strategy=..., model=..., duration=120) as swarm:
@@ -127,12 +128,21 @@ class ManyPeerSwarm:
     model: SimulatedAccelerator arguments shared by all peers; ``samples_per_second`` and ``seed`` are per peer.
     duration: seconds of training after :meth:`start` returns; every peer, replacements included, stops then.
     memory_interval: seconds between memory samples of each peer's processes.
+    network: optional shaped links (``netns_harness.shaped_network`` with one profile per spec): peer ``i``, and any
+        peer that replaces it, runs in namespace ``i`` and listens on its address. The DHT there drops the
+        benchmarking range's addresses, so peers learn each other only from their initial peers: the reachable
+        peers start one after the other, each given every reachable peer started before it, and the client-mode
+        peers, which only dial out, are given all of them (netns_harness's module docstring says why).
     """
 
     def __init__(self, root: Path, specs: List[PeerSpec], strategy: Dict[str, Any], model: Dict[str, Any],
-                 duration: float, memory_interval: float = 5.0):
+                 duration: float, memory_interval: float = 5.0, network: Optional[Any] = None):
         if specs[0].client_mode:
             raise ValueError("specs[0] starts the swarm: it must be reachable (client_mode False)")
+        if network is not None and len(network.namespaces) != len(specs):
+            raise ValueError(f"network has {len(network.namespaces)} namespaces for {len(specs)} peers: build it with "
+                             f"one profile per spec")
+        self.network = network
         self.root, self.specs, self.strategy, self.model = Path(root), specs, strategy, model
         self.duration, self.memory_interval = duration, memory_interval
         self.peers: List[SimPeer] = []  # the current peer of each slot
@@ -146,23 +156,30 @@ class ManyPeerSwarm:
 
     # ------------------------------------------------------------------------------------------------ processes
     def _launch(self, slot: int, initial_peers: Optional[List[str]], join_later: bool) -> SimPeer:
+        """Start a peer process in ``slot``: with ``initial_peers``, or (``join_later``) waiting for its initial
+        peers file (:meth:`_initial_peers_file`)."""
         spec = self.specs[slot]
         name = f"peer{slot:02d}-{self._started}"
         self._started += 1
         out_dir = self.root / name
         out_dir.mkdir(parents=True)
         strategy = dict(self.strategy, client_mode=spec.client_mode, log_progress=False, verbose=True)
+        if self.network is not None:
+            strategy["host_maddrs"] = self.network.host_maddrs(slot)
         if initial_peers:
             strategy["initial_peers"] = initial_peers
         config = {"out_dir": str(out_dir), "strategy": strategy, "stop_time": self.stop_time,
                   "model": dict(self.model, samples_per_second=spec.samples_per_second, seed=1000 + self._started)}
         if join_later:
-            config["initial_peers_file"] = str(self.root / "initial_peers.json")
+            config["initial_peers_file"] = str(self._initial_peers_file(slot))
         (out_dir / "config.json").write_text(json.dumps(config))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), str(REPO)]), OMP_NUM_THREADS="1")
         env.pop("LIGHTNING_SWARM_INITIAL_PEERS", None)
         with open(out_dir / "log.txt", "w") as log:
-            process = subprocess.Popen([sys.executable, str(WORKER), str(out_dir / "config.json")], stdout=log,
+            argv = [sys.executable, str(WORKER), str(out_dir / "config.json")]
+            if self.network is not None:  # ip netns exec keeps the pid: the process group and signals are the peer's
+                argv = self.network.command(slot, argv)
+            process = subprocess.Popen(argv, stdout=log,
                                        stderr=subprocess.STDOUT, env=env, start_new_session=True)
         _ALL_GROUPS.add(process.pid)
         self._sessions.add(process.pid)
@@ -176,16 +193,17 @@ class ManyPeerSwarm:
         self.peers += [self._launch(slot, None, True) for slot in range(1, len(self.specs))]
         self._sampler.start()
         deadline = time.monotonic() + timeout
-        address = None
-        while address is None:
-            self.check_alive()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the first peer printed no address:\n{self.peers[0].log()[-3000:]}")
-            address = self.peers[0].join_address()
-            time.sleep(0.2)
-        temporary = self.root / "initial_peers.tmp"
-        temporary.write_text(json.dumps(address))
-        os.replace(temporary, self.root / "initial_peers.json")
+        if self.network is None:  # one address is enough on 127.0.0.1: the DHT tells the rest
+            self._publish_initial_peers(None, self._address_of(0, deadline))
+        else:
+            reachable = [slot for slot, spec in enumerate(self.specs) if not spec.client_mode]
+            known = self._address_of(0, deadline)
+            for slot in reachable[1:]:
+                self._publish_initial_peers(slot, known)
+                known = known + self._address_of(slot, deadline)
+            for slot, spec in enumerate(self.specs):
+                if spec.client_mode:
+                    self._publish_initial_peers(slot, known)
         while not all(any(e["kind"] == "start" for e in peer.events()) for peer in self.peers):
             self.check_alive()
             if time.monotonic() > deadline:
@@ -193,6 +211,26 @@ class ManyPeerSwarm:
                 raise TimeoutError(f"peers {waiting} took no step in {timeout} s:\n{self.peers[-1].log()[-3000:]}")
             time.sleep(0.5)
         self.set_stop_time(time.time() + self.duration)
+
+    def _initial_peers_file(self, slot: int) -> Path:
+        return self.root / ("initial_peers.json" if self.network is None else f"initial_peers_{slot}.json")
+
+    def _publish_initial_peers(self, slot: Optional[int], addresses: List[str]) -> None:
+        target = self.root / "initial_peers.json" if slot is None else self._initial_peers_file(slot)
+        temporary = target.with_suffix(".tmp")
+        temporary.write_text(json.dumps(addresses))
+        os.replace(temporary, target)
+
+    def _address_of(self, slot: int, deadline: float) -> List[str]:
+        """The addresses peer ``slot`` printed once its DHT started."""
+        while True:
+            self.check_alive()
+            address = self.peers[slot].join_address()
+            if address is not None:
+                return address
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.peers[slot].name} printed no address:\n{self.peers[slot].log()[-3000:]}")
+            time.sleep(0.2)
 
     def set_stop_time(self, stop_time: float) -> None:
         """Every peer stops at ``stop_time`` (the running ones read it from a file next to their config)."""

@@ -107,3 +107,36 @@ def test_many_peers_follow_one_process_through_churn(tmp_path):
 
 
 MODEL_PROBLEM = {k: v for k, v in MODEL.items() if k in ("num_params", "num_tensors", "noise")}
+
+
+@pytest.mark.slow
+def test_peers_in_namespaces_on_home_links_train_with_a_client_mode_peer(tmp_path):
+    """The harness's shaped links (netns_harness, 50 Mbit/s each way per peer): two reachable peers and one in client
+    mode, each in its own network namespace, reach the swarm's global steps together. The DHT there keeps no
+    addresses of the benchmarking range, so this also checks how the harness hands out initial peers: each peer's
+    samples entered global steps in rounds of all three (the client's parts reached both reachable peers' slices
+    over the shaped links), and nothing is left afterwards."""
+    from netns_harness import network_harness_available, shaped_network
+
+    if network_harness_available():
+        pytest.skip(network_harness_available())
+    specs = [PeerSpec(40), PeerSpec(80), PeerSpec(60, client_mode=True)]
+    ideal = sum(spec.samples_per_second for spec in specs)
+    strategy = dict(run_id="links3", target_batch_size=int(ideal * 4), matchmaking_time=2.0, averaging_timeout=20.0,
+                    load_state_timeout=20.0, metrics_interval=10.0, delay_state_averaging=False,
+                    tracker_opts={"min_refresh_period": 0.5, "max_refresh_period": 2.0})
+    with shaped_network(["home"] * 3) as net:
+        with ManyPeerSwarm(tmp_path, specs, strategy, MODEL, duration=300, network=net) as swarm:
+            swarm.start(timeout=150)
+            deadline = time.monotonic() + 120
+
+            def together(peer) -> bool:  # its samples entered a global step averaged among all three, twice
+                return sum(entered(e) and "averaged:3" in e["outcomes"] for e in epoch_events([peer])) >= 2
+
+            while not all(together(peer) for peer in swarm.peers):
+                swarm.check_alive()
+                assert time.monotonic() < deadline, [peer.events()[-3:] for peer in swarm.peers]
+                time.sleep(0.5)
+            swarm.set_stop_time(time.time())
+            swarm.wait(grace=60)
+        assert swarm.leftovers() == []
