@@ -28,11 +28,14 @@ any size: overlap_max_peers null), client50 (every second peer in client mode), 
 SIGKILLed with its whole process group every BENCH_CHURN_SECONDS and a new one of the same speed joins), goal
 (client50 + churn: the issue's goal, >= 0.85 of ideal); a suffix "-sync" (e.g. goal-sync) also makes the state
 rounds synchronous (delay_state_averaging False).
-BENCH_KEEP_DIR=/tmp/many keeps every peer's config, log and events.
+BENCH_KEEP_DIR=/tmp/many keeps every peer's config, log and events. BENCH_LINKS=home (or poor, datacenter: profiles
+of tests/lightning_swarm/netns_harness.py; needs root and iproute2) puts each peer in a network namespace behind a
+shaped link of that profile instead of 127.0.0.1.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -48,6 +51,7 @@ from paths import REPO  # noqa: E402
 
 sys.path.insert(0, str(REPO / "tests" / "lightning_swarm"))
 from many_peers import ManyPeerSwarm, PeerSpec, entered, epoch_events, global_batch_sizes  # noqa: E402
+from netns_harness import shaped_network  # noqa: E402
 from sim_accelerator import reference_losses  # noqa: E402
 
 PEER_COUNTS = [int(n) for n in os.environ.get("BENCH_PEER_COUNTS", "2,4,8,16").split(",")]
@@ -60,6 +64,7 @@ EPOCH_SECONDS = float(os.environ.get("BENCH_EPOCH_SECONDS", "15"))
 CHURN_SECONDS = float(os.environ.get("BENCH_CHURN_SECONDS", "30"))
 MPARAMS = float(os.environ.get("BENCH_MPARAMS", "1"))
 KEEP_DIR = os.environ.get("BENCH_KEEP_DIR")
+LINKS = os.environ.get("BENCH_LINKS")  # a netns_harness profile name, or None: 127.0.0.1
 PEER_GB = 0.95  # measured PSS of one peer (trainer, DHT, averagers, p2pd) at 1M parameters
 MEMORY_WAIT = float(os.environ.get("BENCH_MEMORY_WAIT", "600"))  # seconds to wait for free memory before a run
 PARTIAL = re.compile(r"(Reducer|Averaging): received \d")
@@ -109,7 +114,9 @@ def run(num_peers: int, variant: str) -> dict:
     churn = variant.split("-")[0] in ("churn", "goal")
     load = os.getloadavg()[0]
     try:
-        with ManyPeerSwarm(root, specs, strategy_for(num_peers, variant, ideal), MODEL, duration=DURATION) as swarm:
+        links = shaped_network([LINKS] * num_peers) if LINKS else contextlib.nullcontext()
+        with links as network, ManyPeerSwarm(root, specs, strategy_for(num_peers, variant, ideal), MODEL,
+                                             duration=DURATION, network=network) as swarm:
             swarm.start(timeout=400)
             start = time.time()
             victims = 0
@@ -204,7 +211,8 @@ def main() -> None:
     runs = [(n, v) for n in PEER_COUNTS for v in VARIANTS]
     runs += [(max(PEER_COUNTS), v) for v in BIG_VARIANTS if v and v not in VARIANTS]
     print(f"== many peers: P = {MPARAMS}M, base rate {BASE_RATE}/s (x1-x10), epochs of ~{EPOCH_SECONDS} s, "
-          f"{DURATION} s per run (window from {WARMUP} s), churn every {CHURN_SECONDS} s", flush=True)
+          f"{DURATION} s per run (window from {WARMUP} s), churn every {CHURN_SECONDS} s, "
+          f"links: {LINKS or '127.0.0.1'}", flush=True)
     print(HEADER)
     print("|" + "---|" * HEADER.count(" | ") + "---|", flush=True)
     for num_peers, variant in runs:
