@@ -2,8 +2,9 @@
 
 The liar runs the honest reducer code and states its honest header, but adds ``--lie`` to every result it sends
 (``large``: 100 on every value; ``subtle``: 16 values of the slice, random Gaussian magnitudes, the whole of norm 50
-times one clipped sender's reach: the rest of the slice is the honest result). As a sender it sends its honest part. Each peer averages one tensor of
-``NUMEL`` values, ``base + 0.3 * noise(seed)``, uncompressed, with CenteredClip, in one group of 3.
+times one clipped sender's reach: the rest of the slice is the honest result). As a sender it sends its honest part.
+A framer (``--lie frame``) reduces honestly and sends false reports on the others' slices. Each peer averages one
+tensor of ``NUMEL`` values, ``base + 0.3 * noise(seed)``, uncompressed, with CenteredClip, in one group of 3.
 
 Usage (the first peer prints ``PEER <multiaddr>``; each prints ``PEER_ID <id>``, then ``DONE`` after its round):
 
@@ -53,12 +54,28 @@ def install_lie(kind: str) -> None:
     robust_allreduce.screen_and_aggregate = lying
 
 
+def install_frame() -> None:
+    """Make this process's reports on the other reducers' slices false (framing them): its projections moved by a
+    thousand times their norm and error bound (its results and its own slice stay honest)."""
+    from lightning_swarm import reducer_checks
+
+    honest = reducer_checks.member_report
+
+    def framing(*args, **kwargs):
+        report = honest(*args, **kwargs)
+        report.projections = report.projections + 1000.0 * (report.error + float(abs(report.projections).sum()))
+        return report
+
+    reducer_checks.member_report = framing
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seed", type=int, required=True, help="seed of this peer's tensor")
     parser.add_argument("--out", required=True, help="safetensors file for the averaged tensor")
     parser.add_argument("--initial-peer", default=None, help="multiaddr of a peer to join (none: start a DHT)")
-    parser.add_argument("--lie", choices=("none", "large", "subtle"), default="none", help="this peer's reducer lies")
+    parser.add_argument("--lie", choices=("none", "large", "subtle", "frame"), default="none",
+                        help="this peer's reducer lies (large, subtle), or its reports on the others' slices (frame)")
     parser.add_argument("--no-verify", action="store_true", help="apply the reducers' results unchecked")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to find a group")
     args = parser.parse_args()
@@ -74,7 +91,9 @@ def main() -> None:
     class Averager(RobustAveraging, DecentralizedAverager):
         pass
 
-    if args.lie != "none":
+    if args.lie == "frame":
+        install_frame()
+    elif args.lie != "none":
         install_lie(args.lie)
     dht = hivemind.DHT(initial_peers=[args.initial_peer] if args.initial_peer else None,
                        host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)

@@ -90,3 +90,19 @@ def test_without_the_check_the_lie_lands_in_honest_tensors(tmp_path):
     inputs = torch.stack([peer["input"] for peer in honest] + [liar_input])
     high = inputs.max(dim=0).values
     assert all(bool((peer["averaged"] > high + 50).any()) for peer in honest)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_framing_member_is_in_a_dispute_and_loses_its_seat(tmp_path):
+    """A member that reports falsely on the honest reducers' slices: each honest peer refuses the other honest
+    peer's slice (it can't tell which of the two lied) and keeps both out, naming the framer; nobody is blamed alone,
+    and the framer's own (honest) slice passes."""
+    honest, _, framer_id, logs = run_round(tmp_path, "frame")
+    for peer, log in zip(honest, logs):
+        assert f"dispute with {framer_id}" in log, log[-3000:]
+        assert f"peer {framer_id} is kept out of this peer's later groups" in log, log[-3000:]
+        assert "failed the check" not in log, log[-3000:]
+        assert log.count("refused the slice reduced by") == 1, log[-3000:]
+        assert f"refused the slice reduced by {framer_id}" not in log
+        assert not torch.equal(peer["averaged"], peer["input"])  # the framer's honest slice was applied
