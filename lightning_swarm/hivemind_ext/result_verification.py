@@ -22,8 +22,12 @@ The arithmetic is :mod:`lightning_swarm.reducer_checks`; this is the plumbing ar
   refuses its join requests, a member leaves a group that holds it); where a member's report contradicts the
   reducer's claim about it (a dispute: one of the two lies), both are kept out, each logged naming the other. A
   slice that can't be checked (a report or the claims missing or malformed) is not applied either, and nobody is
-  excluded for it. In a group with a client-mode sender nothing is checked (it accepts no connection, so it can't
-  get the others' reports): those results are applied as hivemind does.
+  excluded for it.
+
+Each message is a call that the callee answers with its own message of the same phase (once it has one, within the
+timeout), so a pair with one reachable member exchanges both ways in one call: a client-mode member (it accepts no
+connection) calls the others and nobody calls it. Two client-mode members can't reach each other: in a group with 2
+or more of them nothing is checked, and those results are applied as hivemind does.
 
 Private hivemind names used here are listed in :mod:`lightning_swarm.hivemind_ext.private_api`.
 """
@@ -95,16 +99,37 @@ def parse_verification_message(message: averaging_pb2.AveragingData, group_id: b
 
 
 class _Mailbox:
-    """The verification messages of one round, by phase and sender (the first one of each is kept)."""
+    """The verification messages of one round, by phase and sender (the first one of each is kept), and this peer's
+    own message of each phase once it is sent (the answer to a groupmate's message of that phase)."""
 
     def __init__(self, members: Sequence[PeerID]):
         self.members = set(members)
         self.messages: Dict[Tuple[int, PeerID], averaging_pb2.AveragingData] = {}
+        self.own: Dict[int, averaging_pb2.AveragingData] = {}
         self.changed = asyncio.Event()
 
     def put(self, phase: int, sender: PeerID, message: averaging_pb2.AveragingData) -> None:
         self.messages.setdefault((phase, sender), message)
         self.changed.set()
+
+    def post(self, phase: int, message: averaging_pb2.AveragingData) -> None:
+        self.own[phase] = message
+        self.changed.set()
+
+    async def own_message(self, phase: int, timeout: float) -> Optional[averaging_pb2.AveragingData]:
+        """This peer's message of ``phase``, once it is posted (None after ``timeout`` seconds)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while phase not in self.own:
+            self.changed.clear()
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            try:
+                await asyncio.wait_for(self.changed.wait(), left)
+            except asyncio.TimeoutError:
+                break
+        return self.own.get(phase)
 
     async def wait(self, phase: int, senders: Sequence[PeerID], timeout: float) -> Dict[PeerID, averaging_pb2.AveragingData]:
         loop = asyncio.get_running_loop()
@@ -150,7 +175,9 @@ class ReportMailbox:
         if mailbox is None or context.remote_id not in mailbox.members or request.weight not in (1.0, 2.0, 3.0):
             return averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
         mailbox.put(int(request.weight), context.remote_id, request)
-        return averaging_pb2.AveragingData(code=averaging_pb2.NO_CODE)
+        # the answer is this peer's own message of that phase (a client-mode caller can't be called back)
+        answer = await mailbox.own_message(int(request.weight), self.verification_timeout)
+        return answer if answer is not None else averaging_pb2.AveragingData(code=averaging_pb2.NO_CODE)
 
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
                              ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
@@ -174,11 +201,16 @@ class ReportMailbox:
     def close_mailbox(self, group_id: bytes) -> None:
         self._mailboxes.pop(group_id, None)
 
-    async def _send_all(self, peers: Sequence[PeerID], message: averaging_pb2.AveragingData) -> None:
+    async def _send_all(self, peers: Sequence[PeerID], message: averaging_pb2.AveragingData, mailbox: _Mailbox,
+                        ) -> None:
+        """Send ``message`` to each of ``peers``; each answers with its own message of the same phase (kept in
+        ``mailbox``, as if it had called)."""
         async def send(peer):
             try:
                 stub = type(self).get_stub(self._p2p, peer, namespace=self.prefix)
-                await asyncio.wait_for(stub.rpc_reducer_report(message), self.verification_timeout)
+                answer = await asyncio.wait_for(stub.rpc_reducer_report(message), self.verification_timeout)
+                if answer.group_id == message.group_id and answer.weight == message.weight:
+                    mailbox.put(int(message.weight), peer, answer)
             except Exception as e:  # its absence is what the others see
                 log.debug(f"could not send a verification message to {peer}: {e!r}")
         await asyncio.gather(*(send(peer) for peer in peers))
@@ -198,14 +230,16 @@ class ReportMailbox:
         if runner.peer_id not in members or not others or not any(parts_by_reducer):
             return set()  # (a sender with no slice to check still reports: the others need its projections)
         modes = dict(zip(peers, runner.modes))
-        if any(modes[peer] == AveragingMode.CLIENT for peer in senders):
-            # a client-mode member accepts no connection, so it can't get the others' reports (all members see the
-            # same modes: none of them runs the exchange). Such a group's results are applied unchecked.
+        if sum(modes[peer] == AveragingMode.CLIENT for peer in senders) > 1:
+            # a client-mode member accepts no connection: it calls the others, and each answers with its own message,
+            # but two client-mode members can't reach each other (all members see the same modes: none of them runs
+            # the exchange). Such a group's results are applied unchecked.
             if not self._warned_client_groups:
                 self._warned_client_groups = True
-                log.warning("[lightning_swarm] averaging: reducer results are not checked in groups with client-mode "
-                            "members (they accept no connection, so they can't get the others' reports)")
+                log.warning("[lightning_swarm] averaging: reducer results are not checked in groups with 2 or more "
+                            "client-mode members (they accept no connection, so they can't get each other's reports)")
             return set()
+        callees = [peer for peer in others if modes[peer] != AveragingMode.CLIENT]
         mailbox = self._mailboxes[group_id]
         timeout = self.verification_timeout
         nonce = os.urandom(NONCE_BYTES)
@@ -214,7 +248,8 @@ class ReportMailbox:
 
         async def phase(number: int, payload: averaging_pb2.AveragingData) -> Dict[PeerID, object]:
             payload.group_id, payload.weight = group_id, float(number)
-            await self._send_all(others, payload)
+            mailbox.post(number, payload)
+            await self._send_all(callees, payload, mailbox)
             received = await mailbox.wait(number, others, timeout)
             parsed = {}
             for peer, message in received.items():

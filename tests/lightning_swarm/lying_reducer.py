@@ -77,6 +77,8 @@ def main() -> None:
     parser.add_argument("--lie", choices=("none", "large", "subtle", "frame"), default="none",
                         help="this peer's reducer lies (large, subtle), or its reports on the others' slices (frame)")
     parser.add_argument("--no-verify", action="store_true", help="apply the reducers' results unchecked")
+    parser.add_argument("--client-mode", action="store_true",
+                        help="accept no connection (as a peer behind NAT): it sends and checks, but reduces nothing")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to find a group")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -96,14 +98,15 @@ def main() -> None:
     elif args.lie != "none":
         install_lie(args.lie)
     dht = hivemind.DHT(initial_peers=[args.initial_peer] if args.initial_peer else None,
-                       host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+                       host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=args.client_mode, start=True)
     if not args.initial_peer:
         print("PEER", dht.get_visible_maddrs()[0], flush=True)
     tensor = make_tensor(args.seed)
     averager = Averager([tensor.clone()], dht=dht, prefix="lying_reducer_test", target_group_size=3,
                         min_group_size=3, min_matchmaking_time=3.0, request_timeout=1.0, compression=NoCompression(),
                         part_size_bytes=2 ** 14,  # 8 parts of 4096 values: each peer reduces some
-                        aggregation="centered_clip", verify_reducers=not args.no_verify, start=True)
+                        aggregation="centered_clip", verify_reducers=not args.no_verify,
+                        client_mode=args.client_mode, start=True)
     print("PEER_ID", dht.peer_id, flush=True)
     averager.step(timeout=args.timeout)
     with averager.get_tensors() as tensors:

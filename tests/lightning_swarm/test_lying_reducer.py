@@ -19,15 +19,16 @@ WORKER = Path(__file__).with_name("lying_reducer.py")
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_round(tmp_path: Path, lie: str, verify: bool = True):
-    """Start 2 honest peers and a liar; return (honest peers' (input, averaged), the liar's input, the liar's peer
-    id, the honest peers' logs)."""
+def run_round(tmp_path: Path, lie: str, verify: bool = True, clients: int = 0):
+    """Start 2 honest peers and a liar (``clients``: how many of the second honest peer and the liar are in client
+    mode); return (honest peers' (input, averaged), the liar's input, the liar's peer id, the honest peers' logs)."""
     extra = [] if verify else ["--no-verify"]
     env = dict(os.environ, PYTHONPATH=str(REPO))
 
-    def start(seed: int, initial: str | None, role: str):
+    def start(seed: int, initial: str | None, role: str, client: bool = False):
         command = [sys.executable, str(WORKER), "--seed", str(seed), "--out", str(tmp_path / f"{seed}.safetensors"),
                    "--lie", role] + extra + (["--initial-peer", initial] if initial else [])
+        command += ["--client-mode"] if client else []
         return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env=env, start_new_session=True)
 
@@ -41,7 +42,7 @@ def run_round(tmp_path: Path, lie: str, verify: bool = True):
             if line.startswith("PEER "):
                 maddr = line.split()[1]
                 break
-        processes += [start(1, maddr, "none"), start(2, maddr, lie)]
+        processes += [start(1, maddr, "none", client=clients >= 1), start(2, maddr, lie, client=clients >= 2)]
         for index, process in enumerate(processes):
             lines.setdefault(index, [])
             for line in process.stdout:
@@ -106,3 +107,29 @@ def test_a_framing_member_is_in_a_dispute_and_loses_its_seat(tmp_path):
         assert log.count("refused the slice reduced by") == 1, log[-3000:]
         assert f"refused the slice reduced by {framer_id}" not in log
         assert not torch.equal(peer["averaged"], peer["input"])  # the framer's honest slice was applied
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_lying_reducer_is_caught_in_a_group_with_one_client_mode_member(tmp_path):
+    """The second honest peer is in client mode (it accepts no connection and reduces nothing): it calls the others,
+    who answer with their own messages, so the check runs; both honest peers refuse the liar's slice and keep it
+    out."""
+    honest, _, liar_id, logs = run_round(tmp_path, "large", clients=1)
+    for peer, log in zip(honest, logs):
+        assert "are not checked" not in log, log[-3000:]
+        assert f"refused the slice reduced by {liar_id}" in log, log[-3000:]
+        assert f"peer {liar_id} is kept out of this peer's later groups" in log, log[-3000:]
+        assert log.count("refused the slice reduced by") == 1, log[-3000:]
+        assert float(peer["averaged"].max()) < 50  # the lie (+100) was not applied
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_group_with_two_client_mode_members_is_not_checked(tmp_path):
+    """Two client-mode members (the second honest peer and the liar, which then reduces nothing) can't reach each
+    other: nothing is checked, and each averager says so once."""
+    honest, _, liar_id, logs = run_round(tmp_path, "large", clients=2)
+    for peer, log in zip(honest, logs):
+        assert "not checked in groups with 2 or more client-mode members" in log, log[-3000:]
+        assert "refused the slice" not in log
