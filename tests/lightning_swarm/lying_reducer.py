@@ -77,6 +77,8 @@ def main() -> None:
     parser.add_argument("--lie", choices=("none", "large", "subtle", "frame"), default="none",
                         help="this peer's reducer lies (large, subtle), or its reports on the others' slices (frame)")
     parser.add_argument("--no-verify", action="store_true", help="apply the reducers' results unchecked")
+    parser.add_argument("--auxiliary", action="store_true",
+                        help="an auxiliary peer: it reduces a slice but sends no part of its own")
     parser.add_argument("--client-mode", action="store_true",
                         help="accept no connection (as a peer behind NAT): it sends and checks, but reduces nothing")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to find a group")
@@ -106,7 +108,7 @@ def main() -> None:
                         min_group_size=3, min_matchmaking_time=3.0, request_timeout=1.0, compression=NoCompression(),
                         part_size_bytes=2 ** 14,  # 8 parts of 4096 values: each peer reduces some
                         aggregation="centered_clip", verify_reducers=not args.no_verify,
-                        client_mode=args.client_mode, start=True)
+                        client_mode=args.client_mode, auxiliary=args.auxiliary, start=True)
     print("PEER_ID", dht.peer_id, flush=True)
     averager.step(timeout=args.timeout)
     with averager.get_tensors() as tensors:

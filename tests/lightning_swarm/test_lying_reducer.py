@@ -2,7 +2,8 @@
 (tests/lightning_swarm/lying_reducer.py): its results are honest + a large or subtle finite offset, its header honest.
 The honest peers refuse its slice, name it in the log and keep it out of their later groups; their tensors stay
 within the range of the inputs at every coordinate (the liar sends an honest part: only its reduction lies).
-Without the check the same lie lands in the honest peers' tensors (the test's control)."""
+Without the check the same lie lands in the honest peers' tensors (the test's control). Also: a liar that is an
+auxiliary peer, a group with one and with two client-mode members, and a framing member (false reports)."""
 
 from __future__ import annotations
 
@@ -19,16 +20,16 @@ WORKER = Path(__file__).with_name("lying_reducer.py")
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_round(tmp_path: Path, lie: str, verify: bool = True, clients: int = 0):
+def run_round(tmp_path: Path, lie: str, verify: bool = True, clients: int = 0, auxiliary: bool = False):
     """Start 2 honest peers and a liar (``clients``: how many of the second honest peer and the liar are in client
-    mode); return (honest peers' (input, averaged), the liar's input, the liar's peer id, the honest peers' logs)."""
+    mode; ``auxiliary``: the liar sends no part of its own); return (honest peers' (input, averaged), the liar's input, the liar's peer id, the honest peers' logs)."""
     extra = [] if verify else ["--no-verify"]
     env = dict(os.environ, PYTHONPATH=str(REPO))
 
-    def start(seed: int, initial: str | None, role: str, client: bool = False):
+    def start(seed: int, initial: str | None, role: str, client: bool = False, auxiliary: bool = False):
         command = [sys.executable, str(WORKER), "--seed", str(seed), "--out", str(tmp_path / f"{seed}.safetensors"),
                    "--lie", role] + extra + (["--initial-peer", initial] if initial else [])
-        command += ["--client-mode"] if client else []
+        command += (["--client-mode"] if client else []) + (["--auxiliary"] if auxiliary else [])
         return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env=env, start_new_session=True)
 
@@ -42,7 +43,8 @@ def run_round(tmp_path: Path, lie: str, verify: bool = True, clients: int = 0):
             if line.startswith("PEER "):
                 maddr = line.split()[1]
                 break
-        processes += [start(1, maddr, "none", client=clients >= 1), start(2, maddr, lie, client=clients >= 2)]
+        processes += [start(1, maddr, "none", client=clients >= 1),
+                      start(2, maddr, lie, client=clients >= 2, auxiliary=auxiliary)]
         for index, process in enumerate(processes):
             lines.setdefault(index, [])
             for line in process.stdout:
@@ -133,3 +135,16 @@ def test_a_group_with_two_client_mode_members_is_not_checked(tmp_path):
     for peer, log in zip(honest, logs):
         assert "not checked in groups with 2 or more client-mode members" in log, log[-3000:]
         assert "refused the slice" not in log
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_lying_auxiliary_reducer_is_caught(tmp_path):
+    """The liar is an auxiliary peer (it reduces a slice, sends no part): it still takes part in the exchange with
+    its claims on its slice, and both honest peers refuse that slice and keep it out."""
+    honest, _, liar_id, logs = run_round(tmp_path, "large", auxiliary=True)
+    for peer, log in zip(honest, logs):
+        assert f"refused the slice reduced by {liar_id}" in log, log[-3000:]
+        assert f"peer {liar_id} is kept out of this peer's later groups: its reduced slice failed" in log, log[-3000:]
+        assert log.count("refused the slice reduced by") == 1, log[-3000:]
+        assert float(peer["averaged"].max()) < 50
