@@ -18,96 +18,31 @@ the sum of the others', and it must look like a vector of norm at most ``sigma_R
 ``sigma_R <= a_R * max_j |x_j - v|`` over the other senders with mass, exact by construction
 (:func:`clip_own_coefficient`), and ``a_R`` is at most ``1 / (floor(n / 2) + 1)`` of ``n`` accepted senders (the
 median cap). So a reducer can move its slice no further than one clipped sender of its weight, whatever it sends.
+
+Who is to blame (:func:`judge_slice`): the reducer also sends its *claims* (:func:`reducer_claims`): each other
+sender's projections as it computed them from the part it decoded. The slice's arithmetic is checked on the claims
+and the headers alone (an honest reducer passes whatever the members report: the reducer alone is blamed when it
+fails), and each member's report against the reducer's claim about it: a contradiction is a *dispute* between the
+two (both are blamed), except for the checker's own report, whose truth the checker knows (a false claim about it
+blames the reducer alone). So a member that reports falsely to frame an honest reducer burns its own seat with every
+honest checker. The layouts and the reports are :mod:`lightning_swarm.reducer_reports` (re-exported here).
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-import struct
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-# random sign vectors per part: each costs ~1.3 ns per value on one core (generation and product)
-PROJECTIONS = 4
-# an honest result is refused with probability at most this (per reducer and round)
-FALSE_ALARM = 1e-9
-# how the result of a part was made: the weighted mean (nothing bounds a sender's reach), a clipped aggregation
-# (CenteredClip, the 2-sender clip, a refused lone sender), or no accepted sender (each keeps its own part)
-MODE_MEAN, MODE_CLIPPED, MODE_KEEP = 0, 1, 2
-HEADER_FIELDS = 7  # b_j, b_R, c0, sigma_R, a_R, accepted senders, mode (float64 each)
-HEADER_BYTES = 8 * HEADER_FIELDS
-MAX_SENDERS = 4096
-# relative slack of float32 arithmetic: the result's rounding (|v| 2^-24) and the projections' sums
-RESULT_ROUNDING = 1e-6
-PROJECTION_ROUNDING = 1e-4
-# slack of a coefficient sum and of the own clip (float64 arithmetic on the reducer, float32 norms on the members)
-SUM_SLACK = 1e-6
-CLIP_SLACK = 1e-3
-_CHUNK = 1 << 16
-
-
-class MalformedReport(ValueError):
-    """A reducer's header or a member's report that does not fit its layout."""
-
-
-@dataclass(frozen=True)
-class Combination:
-    """A reducer's statement about one part: ``coefficients`` (b_j by sender index, 0 for senders not accepted),
-    ``zero`` (c0, the virtual part's mass), ``own`` (b_R, this reducer's; 0 if it sent nothing), ``residual``
-    (sigma_R = b_R |x_R - v|), ``share`` (a_R, its weight share before clipping), ``accepted`` (senders accepted),
-    ``mode`` (MODE_*)."""
-
-    coefficients: Tuple[float, ...]
-    zero: float
-    own: float
-    residual: float
-    share: float
-    accepted: int
-    mode: int
-
-
-@dataclass(frozen=True)
-class ResultHeader:
-    """What one sender learns with a result part: its own coefficient and the reducer's header (see module)."""
-
-    coefficient: float
-    own: float
-    zero: float
-    residual: float
-    share: float
-    accepted: int
-    mode: int
-
-    def digest_fields(self) -> Tuple[float, ...]:
-        """The fields every sender of the part must have received alike."""
-        return self.own, self.zero, self.residual, self.share, float(self.accepted), float(self.mode)
-
-
-def encode_header(combination: Combination, sender: int) -> bytes:
-    """The header a reducer attaches to sender ``sender``'s result part."""
-    return struct.pack("<7d", combination.coefficients[sender], combination.own, combination.zero,
-                       combination.residual, combination.share, float(combination.accepted), float(combination.mode))
-
-
-def parse_header(data: bytes) -> ResultHeader:
-    """A reducer's header, checked: exactly ``HEADER_BYTES``, finite, coefficients in [0, 1], a count and a mode."""
-    if not isinstance(data, (bytes, bytearray)) or len(data) != HEADER_BYTES:
-        raise MalformedReport(f"a result header of {len(data) if isinstance(data, (bytes, bytearray)) else '?'} bytes, "
-                              f"not {HEADER_BYTES}")
-    values = struct.unpack("<7d", bytes(data))
-    if not all(math.isfinite(v) for v in values):
-        raise MalformedReport("a result header with a non-finite field")
-    coefficient, own, zero, residual, share, accepted, mode = values
-    if not all(0.0 <= v <= 1.0 + SUM_SLACK for v in (coefficient, own, zero, share)) or residual < 0:
-        raise MalformedReport("a result header with a coefficient outside [0, 1] or a negative residual")
-    if accepted != int(accepted) or not 0 <= accepted <= MAX_SENDERS or mode not in (MODE_MEAN, MODE_CLIPPED, MODE_KEEP):
-        raise MalformedReport("a result header with a bad sender count or mode")
-    return ResultHeader(coefficient, own, zero, residual, share, int(accepted), int(mode))
-
+from lightning_swarm.reducer_reports import (  # noqa: F401 (re-exported: the layouts and the reports)
+    CLIP_SLACK, FALSE_ALARM, HEADER_BYTES, HEADER_FIELDS, MAX_SENDERS, MODE_CLIPPED, MODE_KEEP, MODE_MEAN,
+    PROJECTION_ROUNDING, PROJECTIONS, RESULT_ROUNDING, SUM_SLACK, Combination, MalformedReport, ReceivedPart,
+    ReducedPart, ReducerClaims, ResultHeader, SliceReport, claims_length, decode_claims, decode_report, encode_claims,
+    encode_header, encode_report, header_digest, member_report, parse_header, part_seed, project, project_many,
+    reducer_claims, report_length)
 
 def chernoff_limit(projections: int = PROJECTIONS, false_alarm: float = FALSE_ALARM) -> float:
     """``U`` such that ``P(sum_k t_k^2 > U B^2) <= false_alarm`` for ``projections`` independent projections
@@ -221,148 +156,6 @@ def rounding_bound(compression: str, values: torch.Tensor, header: Optional[Tupl
     return 2.0 * norm + 1.0  # unknown codec: nothing known about its rounding
 
 
-def part_seed(seed: bytes, reducer: int, part: int) -> int:
-    """The generator seed of one part's random vectors."""
-    return int.from_bytes(hashlib.sha256(seed + struct.pack("<qq", reducer, part)).digest()[:8], "little") >> 1
-
-
-def project(vectors: Sequence[Tuple[torch.Tensor, float]], seed: int, projections: int = PROJECTIONS) -> np.ndarray:
-    """``sum_v scale_v <v, z_k>`` for ``projections`` random sign vectors ``z_k`` (seeded), in float64; the
-    vectors (flat, same length) share the z's."""
-    generator = torch.Generator().manual_seed(seed)
-    flats = [(vector.reshape(-1).to(torch.float32), scale) for vector, scale in vectors if scale != 0.0]
-    out = np.zeros(projections)
-    size = vectors[0][0].numel() if vectors else 0
-    for first in range(0, size, _CHUNK):
-        width = min(_CHUNK, size - first)
-        bits = torch.randint(-2 ** 62, 2 ** 62, ((projections * width + 7) // 8,), dtype=torch.int64,
-                             generator=generator).view(torch.int8)[:projections * width].view(projections, width)
-        if not flats:
-            continue
-        signs = (bits >> 7).mul_(2).add_(1).to(torch.float32)  # -1 or +1, each with probability 1/2
-        chunk = flats[0][0][first:first + width] * flats[0][1]
-        for flat, scale in flats[1:]:
-            chunk = chunk.add(flat[first:first + width], alpha=scale)
-        out += (signs @ chunk).double().numpy()
-    return out
-
-
-@dataclass
-class SliceReport:
-    """One member's report on one reducer's slice (see :func:`report_layout`)."""
-
-    complete: bool  # got every part's result with a well-formed header
-    projections: np.ndarray  # sum over parts of its residual's projections (and its share of the virtual part's)
-    error: float  # L2 bound of its projections' error (rounding of the codec and of float32)
-    digest: float  # digest of the headers it received
-    coefficients: np.ndarray  # b_j per part
-    distances: np.ndarray  # upper bound of |x_j - v| per part
-
-
-def report_length(parts_by_reducer: Sequence[int], projections: int = PROJECTIONS) -> int:
-    """Values in a member's report: per reducer, a status, the projections, the error, a digest, then two values
-    per part (coefficient, distance)."""
-    return sum(3 + projections + 2 * parts for parts in parts_by_reducer)
-
-
-def encode_report(reports: Sequence[Optional[SliceReport]], parts_by_reducer: Sequence[int],
-                  projections: int = PROJECTIONS) -> np.ndarray:
-    """A member's reports (None: no report, e.g. on its own slice) as one float64 vector."""
-    rows = []
-    for report, parts in zip(reports, parts_by_reducer):
-        if report is None or not report.complete:
-            rows.append(np.zeros(3 + projections + 2 * parts))
-            continue
-        rows.append(np.concatenate(([1.0], report.projections, [report.error, report.digest],
-                                    report.coefficients, report.distances)))
-    return np.concatenate(rows) if rows else np.zeros(0)
-
-
-def decode_report(values: np.ndarray, parts_by_reducer: Sequence[int], projections: int = PROJECTIONS,
-                  ) -> List[Optional[SliceReport]]:
-    """A member's report vector, checked: the length :func:`report_length` gives, finite values, status 0 or 1,
-    error and distances >= 0, coefficients in [0, 1], digests integers below 2**53. Raises MalformedReport."""
-    values = np.asarray(values, dtype=np.float64).reshape(-1)
-    if len(values) != report_length(parts_by_reducer, projections):
-        raise MalformedReport(f"a report of {len(values)} values, not {report_length(parts_by_reducer, projections)}")
-    if not np.all(np.isfinite(values)):
-        raise MalformedReport("a report with non-finite values")
-    reports: List[Optional[SliceReport]] = []
-    offset = 0
-    for parts in parts_by_reducer:
-        row = values[offset:offset + 3 + projections + 2 * parts]
-        offset += len(row)
-        if row[0] == 0.0:
-            reports.append(None)
-            continue
-        error, digest = row[1 + projections], row[2 + projections]
-        coefficients, distances = row[3 + projections:3 + projections + parts], row[3 + projections + parts:]
-        if (row[0] != 1.0 or error < 0 or not 0 <= digest < 2 ** 53 or digest != int(digest)
-                or np.any(coefficients < 0) or np.any(coefficients > 1 + SUM_SLACK) or np.any(distances < 0)):
-            raise MalformedReport("a report with a field out of range")
-        reports.append(SliceReport(True, row[1:1 + projections].copy(), float(error), float(digest),
-                                   coefficients.copy(), distances.copy()))
-    return reports
-
-
-def header_digest(headers: Sequence[ResultHeader]) -> float:
-    """A digest of a slice's headers (their common fields) as an integer below 2**53 (exact in float64)."""
-    data = b"".join(struct.pack("<6d", *header.digest_fields()) for header in headers)
-    return float(int.from_bytes(hashlib.sha256(data).digest()[:6], "little"))
-
-
-def check_slice(headers: Sequence[ResultHeader], reports: Sequence[Optional[SliceReport]], reducer_sends: bool,
-                limit: float = CHERNOFF_LIMIT) -> Optional[str]:
-    """A checker's verdict on one reducer's slice: None if it passes, else the reason.
-
-    Args:
-        headers: the headers the checker received with each part of that slice.
-        reports: every other sender's report on the slice (the checker's own among them), in any order; None where
-            a sender reported nothing for it (then the slice can't be checked: a reason is returned).
-        reducer_sends: whether the reducer is itself a sender (else its own coefficient must be 0).
-        limit: :func:`chernoff_limit`.
-    """
-    if any(report is None for report in reports):
-        return "unverifiable: a member has no complete report on this slice"
-    digest = header_digest(headers)
-    if any(report.digest != digest for report in reports):
-        return "its members received different headers"
-    residual2 = 0.0
-    slack = sum(report.error for report in reports)  # the members' rounding: also the scale of the reducer's own
-    for index, header in enumerate(headers):
-        coefficients = [float(report.coefficients[index]) for report in reports]
-        distances = [float(report.distances[index]) for report in reports]
-        if not reducer_sends and header.own > 0:
-            return f"part {index}: a coefficient of its own though it sent no part"
-        if header.mode == MODE_KEEP:
-            if any(c > 0 for c in coefficients) or header.own > 0 or header.zero > 0:
-                return f"part {index}: coefficients where no sender was accepted"
-            if any(d > 0 for d in distances):
-                return f"part {index}: a changed part where no sender was accepted"
-            continue
-        total = sum(coefficients) + header.own + header.zero
-        if abs(total - 1.0) > SUM_SLACK * (len(coefficients) + 2):
-            return f"part {index}: coefficients that sum to {total:.9g}, not 1"
-        positive = sum(c > 0 for c in coefficients) + (header.own > 0)
-        if header.accepted < positive:
-            return f"part {index}: {positive} senders with mass but {header.accepted} accepted"
-        if header.mode == MODE_CLIPPED:
-            if header.share > 1.0 / (header.accepted // 2 + 1) + SUM_SLACK:
-                return f"part {index}: a weight share {header.share:.4g} above the median cap"
-            radius = max((d for c, d in zip(coefficients, distances) if c > 0), default=0.0)
-            if header.residual > header.share * radius * (1 + CLIP_SLACK) + slack:
-                return (f"part {index}: its own residual {header.residual:.4g} beyond one clipped sender's reach "
-                        f"{header.share * radius:.4g}")
-        residual2 += header.residual ** 2
-    implied = -np.sum([report.projections for report in reports], axis=0)
-    bound = math.sqrt(residual2) + sum(report.error for report in reports)
-    statistic = float(np.sum(implied ** 2))
-    if statistic > limit * bound ** 2:
-        return (f"its own residual projects to {math.sqrt(statistic / len(implied)):.4g} per vector where at most "
-                f"{bound:.4g} fits its header")
-    return None
-
-
 def _weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
     order = np.argsort(values, kind="stable")
     index = min(int(np.searchsorted(np.cumsum(weights[order]), 0.5 - 1e-6)), len(values) - 1)
@@ -406,49 +199,132 @@ def zeros_combination(num_senders: int, accepted: int) -> Combination:
     return Combination((0.0,) * num_senders, 1.0, 0.0, 0.0, 0.0, accepted, MODE_CLIPPED)
 
 
-@dataclass
-class ReceivedPart:
-    """What a member holds of one part of a reducer's slice: ``local`` (its own part, as it was before the round),
-    ``delta`` (the result minus its part, as received), ``header``, ``delta_rounding`` and ``local_rounding`` (L2
-    bounds of the codec's rounding of the delta and of its own part as sent, :func:`rounding_bound`)."""
-
-    local: torch.Tensor
-    delta: torch.Tensor
-    header: ResultHeader
-    delta_rounding: float
-    local_rounding: float
+# who a failed check blames (Verdict.blame)
+BLAME_NONE, BLAME_REDUCER, BLAME_DISPUTE = "none", "reducer", "dispute"
+# relative slack of a claimed distance over a member's upper bound of it (float32 norms of the same vector)
+DISTANCE_SLACK = 1e-5
 
 
-def member_report(seed: bytes, reducer: int, parts: Sequence[ReceivedPart], members: int,
-                  projections: int = PROJECTIONS) -> SliceReport:
-    """A member's report on one reducer's slice: its residual ``b_j (x_j - v) = -b_j delta`` plus its share
-    ``1 / members`` of the virtual part's ``c0 (0 - v)`` (``v = local + delta``), projected on the part's random
-    vectors (:func:`part_seed`), summed over the parts; the error bound of those projections (the codecs' rounding,
-    the float32 result's, the sums'), the headers' digest, and per part its coefficient and an upper bound of its
-    distance to the result.
+@dataclass(frozen=True)
+class Verdict:
+    """A checker's verdict on one reducer's slice: ``reason`` (None: it passes), ``blame`` (BLAME_NONE: it passes or
+    can't be checked; BLAME_REDUCER: the reducer alone; BLAME_DISPUTE: the reducer and each member at ``disputed``,
+    positions in the reports, contradict each other and the checker can't tell which one lies)."""
+
+    reason: Optional[str]
+    blame: str = BLAME_NONE
+    disputed: Tuple[int, ...] = ()
+
+
+def _contradiction(report: SliceReport, claims: ReducerClaims, sender: int, modes: Sequence[int],
+                   limit: float) -> Optional[str]:
+    """How a member's report and the reducer's claims about that member contradict each other (None: they agree
+    within both error bounds)."""
+    if np.any(np.abs(report.coefficients - claims.coefficients[sender]) > SUM_SLACK * 1e-3):
+        return "a coefficient other than the one in its header"
+    if np.any(claims.distances[sender] > report.distances * (1 + DISTANCE_SLACK)):
+        return "a distance to the result beyond the one it got"
+    if any(mode == MODE_KEEP and distance > 0 for mode, distance in zip(modes, report.distances)):
+        return "a changed part where no sender was accepted"
+    difference = report.projections - claims.projections[sender]
+    bound = report.error + float(claims.errors[sender])
+    statistic = float(np.sum(difference ** 2))
+    if statistic > limit * bound ** 2:
+        return (f"a residual that projects {math.sqrt(statistic / len(difference)):.4g} per vector away from the "
+                f"reducer's claim where at most {bound:.4g} fits")
+    return None
+
+
+def _inconsistency(headers: Sequence[ResultHeader], claims: ReducerClaims, senders: Sequence[int],
+                   reducer_sends: bool, limit: float) -> Optional[str]:
+    """How the reducer's claims on the other senders ``senders`` contradict its own header (None: they fit)."""
+    residual2 = 0.0
+    slack = float(sum(claims.errors[s] for s in senders))
+    for index, header in enumerate(headers):
+        coefficients = [float(claims.coefficients[s, index]) for s in senders]
+        distances = [float(claims.distances[s, index]) for s in senders]
+        if not reducer_sends and header.own > 0:
+            return f"part {index}: a coefficient of its own though it sent no part"
+        if header.mode == MODE_KEEP:
+            if any(c > 0 for c in coefficients) or header.own > 0 or header.zero > 0:
+                return f"part {index}: coefficients where no sender was accepted"
+            if any(d > 0 for d in distances):
+                return f"part {index}: a changed part where no sender was accepted"
+            continue
+        total = sum(coefficients) + header.own + header.zero
+        if abs(total - 1.0) > SUM_SLACK * (len(coefficients) + 2):
+            return f"part {index}: coefficients that sum to {total:.9g}, not 1"
+        positive = sum(c > 0 for c in coefficients) + (header.own > 0)
+        if header.accepted < positive:
+            return f"part {index}: {positive} senders with mass but {header.accepted} accepted"
+        if header.mode == MODE_CLIPPED:
+            if header.share > 1.0 / (header.accepted // 2 + 1) + SUM_SLACK:
+                return f"part {index}: a weight share {header.share:.4g} above the median cap"
+            radius = max((d for c, d in zip(coefficients, distances) if c > 0), default=0.0)
+            if header.residual > header.share * radius * (1 + CLIP_SLACK) + slack:
+                return (f"part {index}: its own residual {header.residual:.4g} beyond one clipped sender's reach "
+                        f"{header.share * radius:.4g}")
+        residual2 += header.residual ** 2
+    implied = -np.sum([claims.projections[s] for s in senders], axis=0)
+    bound = math.sqrt(residual2) + slack
+    statistic = float(np.sum(implied ** 2))
+    if statistic > limit * bound ** 2:
+        return (f"its own residual projects to {math.sqrt(statistic / len(implied)):.4g} per vector where at most "
+                f"{bound:.4g} fits its header")
+    return None
+
+
+def judge_slice(headers: Sequence[ResultHeader], reports: Sequence[Optional[SliceReport]],
+                claims: Optional[ReducerClaims], senders: Sequence[int], me: int, reducer_sends: bool,
+                limit: float = CHERNOFF_LIMIT) -> Verdict:
+    """A checker's verdict on one reducer's slice, and whom it blames.
+
+    The checks of the slice's arithmetic use only what the reducer said (its headers to the checker, its claims):
+    an honest reducer always passes them, whatever the members report. The members' reports are checked against
+    the claims: a member that contradicts them is in a dispute with the reducer (one of the two lies; the checker
+    can't tell which), except the checker itself, which knows its own part: a false claim about it blames the
+    reducer alone. In order: (1) no claims or a missing report: unverifiable, nobody blamed; (2) the claims about
+    the checker contradict its own report, or the claimed digest is not that of the headers it got: the reducer
+    alone; (3) the claims contradict the header (coefficients that don't sum to 1, a reach beyond one clipped
+    sender's, the claimed residuals not summing to minus the reducer's own within ``sigma_R`` and the rounding):
+    the reducer alone; (4) another member's report contradicts the claims about it (projections beyond both error
+    bounds by :func:`chernoff_limit`, a coefficient, a claimed distance beyond the one it got, a change where no
+    sender was accepted, another header digest than the checker's): a dispute with each such member.
 
     Args:
-        seed: the round's seed (see :mod:`lightning_swarm.hivemind_ext.result_verification`).
-        reducer: the reducer's index in the group.
-        parts: each part of the slice, in order.
-        members: the senders other than the reducer (each takes ``1 / members`` of the virtual part).
+        headers: the headers the checker received with each part of that slice.
+        reports: every other sender's report on the slice (the checker's own among them); None where a sender
+            reported nothing for it.
+        claims: the reducer's claims on its slice (None: it sent none).
+        senders: the sender index of each report's author (its row in the claims).
+        me: the position of the checker's own report in ``reports``.
+        reducer_sends: whether the reducer is itself a sender (else its own coefficient must be 0).
+        limit: :func:`chernoff_limit`.
     """
-    total = np.zeros(projections)
-    error2 = 0.0
-    coefficients, distances = np.zeros(len(parts)), np.zeros(len(parts))
-    for index, part in enumerate(parts):
-        b, share_zero = part.header.coefficient, part.header.zero / max(members, 1)
-        vectors = [(part.delta, -b)]
-        if share_zero > 0:
-            vectors += [(part.local, -share_zero), (part.delta, -share_zero)]
-        total += project(vectors, part_seed(seed, reducer, index), projections)
-        delta_norm = float(part.delta.float().norm())
-        local_norm = float(part.local.float().norm())
-        error = (b * part.delta_rounding + share_zero * (part.delta_rounding + part.local_rounding)
-                 + RESULT_ROUNDING * (local_norm + delta_norm)
-                 + PROJECTION_ROUNDING * (b * delta_norm + share_zero * (local_norm + delta_norm)))
-        error2 += error ** 2
-        coefficients[index] = b
-        distances[index] = delta_norm + part.delta_rounding
-    return SliceReport(True, total, math.sqrt(error2), header_digest([part.header for part in parts]),
-                       coefficients, distances)
+    if claims is None:
+        return Verdict("unverifiable: the reducer sent no claims on its slice")
+    if any(report is None for report in reports):
+        return Verdict("unverifiable: a member has no complete report on this slice")
+    digest = header_digest(headers)
+    modes = [header.mode for header in headers]
+    if claims.digest != digest:
+        return Verdict("its claims name other headers than the ones it sent this member", BLAME_REDUCER)
+    reason = _contradiction(reports[me], claims, senders[me], modes, limit)
+    if reason is not None:
+        return Verdict(f"its claims about this member are false ({reason})", BLAME_REDUCER)
+    reason = _inconsistency(headers, claims, senders, reducer_sends, limit)
+    if reason is not None:
+        return Verdict(reason, BLAME_REDUCER)
+    disputed, reasons = [], []
+    for position, (report, sender) in enumerate(zip(reports, senders)):
+        if position == me:
+            continue
+        reason = ("other headers than this member's" if report.digest != digest
+                  else _contradiction(report, claims, sender, modes, limit))
+        if reason is not None:
+            disputed.append(position)
+            reasons.append(reason)
+    if disputed:
+        return Verdict(f"a member's report contradicts the reducer's claims about it ({reasons[0]})", BLAME_DISPUTE,
+                       tuple(disputed))
+    return Verdict(None)

@@ -199,6 +199,7 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
     + _symbols("hivemind.averaging.allreduce", "result_verification", [
         ("AllReduceRunner.tensor_part_container", "holds the results kept for the check"),
         ("AllReduceRunner.sender_peer_ids", "the members that exchange reports"),
+        ("AllReduceRunner.tensor_part_reducer", "holds the parts and results the reducer's claims are made from"),
     ], instance=True)
     + _symbols("hivemind.averaging.partition", "result_records", [
         ("TensorPartContainer._input_parts_by_peer", "this peer's own parts, kept with the results for the check"),

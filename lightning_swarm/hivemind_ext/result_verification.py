@@ -8,16 +8,26 @@ The arithmetic is :mod:`lightning_swarm.reducer_checks`; this is the plumbing ar
   (its coefficient, the virtual part's mass, its weighted residual, its weight share, the senders it accepted);
 - **each sender** keeps, per reducer and part, the header (:func:`lightning_swarm.reducer_checks.parse_header`), the
   codec's rounding bound of the result message (:func:`message_rounding`), the decoded result and its own part;
-- **after the round**, before any result is applied, the senders exchange three small messages each way per pair
-  (``rpc_reducer_report``, :class:`ReportMailbox`): a commitment ``sha256(nonce)``, then the nonce, then each one's
-  reports on every other reducer's slice, projected on random sign vectors seeded by ``sha256(group id, all nonces)``:
-  a seed that nobody, the reducer included, knew while the results were sent, nor could choose afterwards;
-- **each sender checks** every other reducer's slice (:func:`lightning_swarm.reducer_checks.check_slice`). A slice
-  that fails is not applied (the local values stay, as when a reducer fails), the reducer is named in one log line
-  and kept out of this peer's later groups (:meth:`ReportMailbox.exclude_peer`: a leader refuses its join requests,
-  a member leaves a group that holds it). A slice that can't be checked (a member's report missing or malformed)
-  is not applied either, and nobody is excluded for it. In a group with a client-mode member nothing is checked
-  (it accepts no connection, so it can't get the others' reports): those results are applied as hivemind does.
+- **each reducer** keeps, per part of its slice, the parts it decoded, its result and its statement
+  (``RobustTensorPartReducer.reduced``);
+- **after the round**, before any result is applied, the members (the senders, and the reducers that send nothing)
+  exchange three small messages each way per pair (``rpc_reducer_report``, :class:`ReportMailbox`): a commitment
+  ``sha256(nonce)``, then the nonce, then each one's reports on every other reducer's slice and its claims on its own
+  (:func:`lightning_swarm.reducer_checks.reducer_claims`), projected on random sign vectors seeded by
+  ``sha256(group id, all nonces)``: a seed that nobody, the reducer included, knew while the results were sent, nor
+  could choose afterwards;
+- **each sender checks** every other reducer's slice (:func:`lightning_swarm.reducer_checks.judge_slice`). A slice
+  that fails is not applied (the local values stay, as when a reducer fails) and named in one log line. Where the
+  reducer alone is to blame it is kept out of this peer's later groups (:meth:`ReportMailbox.exclude_peer`: a leader
+  refuses its join requests, a member leaves a group that holds it); where a member's report contradicts the
+  reducer's claim about it (a dispute: one of the two lies), both are kept out, each logged naming the other. A
+  slice that can't be checked (a report or the claims missing or malformed) is not applied either, and nobody is
+  excluded for it.
+
+Each message is a call that the callee answers with its own message of the same phase (once it has one, within the
+timeout), so a pair with one reachable member exchanges both ways in one call: a client-mode member (it accepts no
+connection) calls the others and nobody calls it. Two client-mode members can't reach each other: in a group with 2
+or more of them nothing is checked, and those results are applied as hivemind does.
 
 Private hivemind names used here are listed in :mod:`lightning_swarm.hivemind_ext.private_api`.
 """
@@ -89,16 +99,37 @@ def parse_verification_message(message: averaging_pb2.AveragingData, group_id: b
 
 
 class _Mailbox:
-    """The verification messages of one round, by phase and sender (the first one of each is kept)."""
+    """The verification messages of one round, by phase and sender (the first one of each is kept), and this peer's
+    own message of each phase once it is sent (the answer to a groupmate's message of that phase)."""
 
     def __init__(self, members: Sequence[PeerID]):
         self.members = set(members)
         self.messages: Dict[Tuple[int, PeerID], averaging_pb2.AveragingData] = {}
+        self.own: Dict[int, averaging_pb2.AveragingData] = {}
         self.changed = asyncio.Event()
 
     def put(self, phase: int, sender: PeerID, message: averaging_pb2.AveragingData) -> None:
         self.messages.setdefault((phase, sender), message)
         self.changed.set()
+
+    def post(self, phase: int, message: averaging_pb2.AveragingData) -> None:
+        self.own[phase] = message
+        self.changed.set()
+
+    async def own_message(self, phase: int, timeout: float) -> Optional[averaging_pb2.AveragingData]:
+        """This peer's message of ``phase``, once it is posted (None after ``timeout`` seconds)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while phase not in self.own:
+            self.changed.clear()
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            try:
+                await asyncio.wait_for(self.changed.wait(), left)
+            except asyncio.TimeoutError:
+                break
+        return self.own.get(phase)
 
     async def wait(self, phase: int, senders: Sequence[PeerID], timeout: float) -> Dict[PeerID, averaging_pb2.AveragingData]:
         loop = asyncio.get_running_loop()
@@ -144,7 +175,9 @@ class ReportMailbox:
         if mailbox is None or context.remote_id not in mailbox.members or request.weight not in (1.0, 2.0, 3.0):
             return averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
         mailbox.put(int(request.weight), context.remote_id, request)
-        return averaging_pb2.AveragingData(code=averaging_pb2.NO_CODE)
+        # the answer is this peer's own message of that phase (a client-mode caller can't be called back)
+        answer = await mailbox.own_message(int(request.weight), self.verification_timeout)
+        return answer if answer is not None else averaging_pb2.AveragingData(code=averaging_pb2.NO_CODE)
 
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
                              ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
@@ -168,48 +201,60 @@ class ReportMailbox:
     def close_mailbox(self, group_id: bytes) -> None:
         self._mailboxes.pop(group_id, None)
 
-    async def _send_all(self, peers: Sequence[PeerID], message: averaging_pb2.AveragingData) -> None:
+    async def _send_all(self, peers: Sequence[PeerID], message: averaging_pb2.AveragingData, mailbox: _Mailbox,
+                        ) -> None:
+        """Send ``message`` to each of ``peers``; each answers with its own message of the same phase (kept in
+        ``mailbox``, as if it had called)."""
         async def send(peer):
             try:
                 stub = type(self).get_stub(self._p2p, peer, namespace=self.prefix)
-                await asyncio.wait_for(stub.rpc_reducer_report(message), self.verification_timeout)
+                answer = await asyncio.wait_for(stub.rpc_reducer_report(message), self.verification_timeout)
+                if answer.group_id == message.group_id and answer.weight == message.weight:
+                    mailbox.put(int(message.weight), peer, answer)
             except Exception as e:  # its absence is what the others see
                 log.debug(f"could not send a verification message to {peer}: {e!r}")
         await asyncio.gather(*(send(peer) for peer in peers))
 
     async def verify_results(self, runner, group_id: bytes) -> Set[int]:
-        """Run the exchange of a finished round's results with the other senders and check each reducer's slice.
-        Returns the indices (in the group's order) of the reducers whose slices are not to be applied."""
+        """Run the exchange of a finished round's results with the other members (the senders, and reducers that
+        send nothing) and check each other reducer's slice. Returns the indices (in the group's order) of the
+        reducers whose slices are not to be applied."""
         peers: List[PeerID] = list(runner.ordered_peer_ids)
         me = peers.index(runner.peer_id)
         senders: List[PeerID] = list(runner.sender_peer_ids)
-        others = [peer for peer in senders if peer != runner.peer_id]
         parts_by_reducer = list(runner.tensor_part_container.num_parts_by_peer)
-        reducers = [r for r, parts in enumerate(parts_by_reducer) if parts and r != me]
-        if runner.peer_id not in senders or not others or not any(parts_by_reducer):
+        # every sender reports on the others' slices; every reducer (an aux one too) claims on its own
+        members = [peer for index, peer in enumerate(peers) if peer in senders or parts_by_reducer[index]]
+        others = [peer for peer in members if peer != runner.peer_id]
+        reducers = [r for r, parts in enumerate(parts_by_reducer) if parts and r != me and runner.peer_id in senders]
+        if runner.peer_id not in members or not others or not any(parts_by_reducer):
             return set()  # (a sender with no slice to check still reports: the others need its projections)
         modes = dict(zip(peers, runner.modes))
-        if any(modes[peer] == AveragingMode.CLIENT for peer in senders):
-            # a client-mode member accepts no connection, so it can't get the others' reports (all members see the
-            # same modes: none of them runs the exchange). Such a group's results are applied unchecked.
+        if sum(modes[peer] == AveragingMode.CLIENT for peer in senders) > 1:
+            # a client-mode member accepts no connection: it calls the others, and each answers with its own message,
+            # but two client-mode members can't reach each other (all members see the same modes: none of them runs
+            # the exchange). Such a group's results are applied unchecked.
             if not self._warned_client_groups:
                 self._warned_client_groups = True
-                log.warning("[lightning_swarm] averaging: reducer results are not checked in groups with client-mode "
-                            "members (they accept no connection, so they can't get the others' reports)")
+                log.warning("[lightning_swarm] averaging: reducer results are not checked in groups with 2 or more "
+                            "client-mode members (they accept no connection, so they can't get each other's reports)")
             return set()
+        callees = [peer for peer in others if modes[peer] != AveragingMode.CLIENT]
         mailbox = self._mailboxes[group_id]
         timeout = self.verification_timeout
         nonce = os.urandom(NONCE_BYTES)
-        length = rc.report_length(parts_by_reducer)
+        rows = rc.report_length(parts_by_reducer)
+        lengths = {peer: rows + rc.claims_length(parts_by_reducer[peers.index(peer)], len(senders)) for peer in members}
 
         async def phase(number: int, payload: averaging_pb2.AveragingData) -> Dict[PeerID, object]:
             payload.group_id, payload.weight = group_id, float(number)
-            await self._send_all(others, payload)
+            mailbox.post(number, payload)
+            await self._send_all(callees, payload, mailbox)
             received = await mailbox.wait(number, others, timeout)
             parsed = {}
             for peer, message in received.items():
                 try:
-                    parsed[peer] = parse_verification_message(message, group_id, number, length)
+                    parsed[peer] = parse_verification_message(message, group_id, number, lengths[peer])
                 except MalformedMessage as e:
                     log.warning(f"[lightning_swarm] averaging: refused a verification message of {peer}: {e}")
             return parsed
@@ -229,19 +274,22 @@ class ReportMailbox:
                         f"the other members' slices are not applied")
             return set(reducers)
         nonces[runner.peer_id] = nonce
-        seed = hashlib.sha256(group_id + b"".join(nonces[peer] for peer in senders)).digest()
-        own_reports = await asyncio.get_running_loop().run_in_executor(
-            None, _member_reports, runner, seed, [r for r, parts in enumerate(parts_by_reducer) if parts and r != me],
-            senders)
-        values = rc.encode_report([own_reports.get(r) for r in range(len(peers))], parts_by_reducer)
+        seed = hashlib.sha256(group_id + b"".join(nonces[peer] for peer in members)).digest()
+        own_reports, own_claims = await asyncio.get_running_loop().run_in_executor(
+            None, _member_reports, runner, seed, reducers, senders)
+        values = np.concatenate((rc.encode_report([own_reports.get(r) for r in range(len(peers))], parts_by_reducer),
+                                 rc.encode_claims(own_claims, parts_by_reducer[me], len(senders))))
         reports = await phase(PHASE_REPORT, averaging_pb2.AveragingData(
             tensor_part=serialize_torch_tensor(torch.from_numpy(values))))
         decoded: Dict[PeerID, List[Optional[rc.SliceReport]]] = {runner.peer_id: [own_reports.get(r) for r in
                                                                                  range(len(peers))]}
+        claims: Dict[PeerID, Optional[rc.ReducerClaims]] = {}
         for peer, vector in reports.items():
             try:
-                decoded[peer] = rc.decode_report(vector, parts_by_reducer)
+                decoded[peer] = rc.decode_report(vector[:rows], parts_by_reducer)
+                claims[peer] = rc.decode_claims(vector[rows:], parts_by_reducer[peers.index(peer)], len(senders))
             except rc.MalformedReport as e:
+                decoded.pop(peer, None)
                 log.warning(f"[lightning_swarm] averaging: refused the verification report of {peer}: {e}")
         refused = set()
         for r in reducers:
@@ -250,22 +298,32 @@ class ReportMailbox:
             headers = runner.tensor_part_container.result_headers(r)
             slice_reports = [decoded.get(peer, [None] * len(peers))[r] for peer in reporters]
             if headers is None:
-                reason = "unverifiable: its results came without a well-formed header or did not all arrive"
+                verdict = rc.Verdict("unverifiable: its results came without a well-formed header or did not all "
+                                     "arrive")
             else:
-                reason = rc.check_slice(headers, slice_reports, reducer_sends=reducer in senders)
-            if reason is None:
+                verdict = rc.judge_slice(headers, slice_reports, claims.get(reducer),
+                                         [senders.index(peer) for peer in reporters], reporters.index(runner.peer_id),
+                                         reducer_sends=reducer in senders)
+            if verdict.reason is None:
                 continue
             refused.add(r)
             log.warning(f"[lightning_swarm] averaging: refused the slice reduced by {reducer} ({parts_by_reducer[r]} "
-                        f"parts): {reason}; kept the local values there")
-            if not reason.startswith("unverifiable"):
-                self.exclude_peer(reducer, f"its reduced slice failed the check ({reason})")
+                        f"parts): {verdict.reason}; kept the local values there")
+            if verdict.blame == rc.BLAME_REDUCER:
+                self.exclude_peer(reducer, f"its reduced slice failed the check ({verdict.reason})")
+            elif verdict.blame == rc.BLAME_DISPUTE:
+                for position in verdict.disputed:
+                    member = reporters[position]
+                    self.exclude_peer(reducer, f"dispute with {member} over its reduced slice ({verdict.reason})")
+                    self.exclude_peer(member, f"dispute with reducer {reducer}: its report on that reducer's slice "
+                                              f"contradicts the reducer's claims about it")
         return refused
 
 
 def _member_reports(runner, seed: bytes, reducers: Sequence[int], senders: Sequence[PeerID]
-                    ) -> Dict[int, rc.SliceReport]:
-    """This member's reports on the slices it can report on (complete, well-formed headers)."""
+                    ) -> Tuple[Dict[int, rc.SliceReport], Optional[rc.ReducerClaims]]:
+    """This member's reports on the slices it can report on (complete, well-formed headers), and its claims on its
+    own slice (None if it reduces nothing or a sender's part is missing)."""
     reports = {}
     peers = list(runner.ordered_peer_ids)
     for r in reducers:
@@ -274,7 +332,14 @@ def _member_reports(runner, seed: bytes, reducers: Sequence[int], senders: Seque
             continue
         members = len([peer for peer in senders if peer != peers[r]])
         reports[r] = rc.member_report(seed, r, received, members)
-    return reports
+    me = peers.index(runner.peer_id)
+    parts = runner.tensor_part_container.num_parts_by_peer[me]
+    reducer = runner.tensor_part_reducer
+    if not parts or any(p not in reducer.reduced for p in range(parts)):
+        return reports, None
+    members = len([peer for peer in senders if peer != runner.peer_id])
+    return reports, rc.reducer_claims(seed, me, [reducer.reduced[p] for p in range(parts)], members,
+                                      reducer.own_sender)
 
 
 def zero_slices(updates: Sequence[torch.Tensor], container, refused: Set[int]) -> None:

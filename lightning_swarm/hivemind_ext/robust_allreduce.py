@@ -157,6 +157,8 @@ class RobustTensorPartReducer(TensorPartReducer):
         self.sender_names, self.aggregation = list(sender_names), aggregation
         # part index -> its Combination (reducer_checks), attached to each sender's result (result_verification)
         self.statements: Optional[Dict[int, reducer_checks.Combination]] = {} if statements else None
+        # part index -> what the reducer's claims on its slice are computed from (with statements)
+        self.reduced: Dict[int, reducer_checks.ReducedPart] = {}
         self.own_sender = own_sender
         self.centered_clip_tau, self.centered_clip_iters, self.max_weights = centered_clip_tau, centered_clip_iters, max_weights
         self.min_alignment, self.trust, self.on_alignment = min_alignment, trust, on_alignment
@@ -235,6 +237,7 @@ class RobustTensorPartReducer(TensorPartReducer):
                     own=self.own_sender))
             if statement:
                 self.statements[part_index] = statement[0]
+                self.reduced[part_index] = reducer_checks.ReducedPart(list(parts), result, statement[0])
             for refusal in refusals:
                 self.refusals[refusal.sender][refusal.reason] += 1
             if result is None:
@@ -434,8 +437,8 @@ class RobustAveraging(ReportMailbox):
             if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
                 async for _ in runner:
                     raise ValueError("aux peers should not receive averaged tensors")
-                if self.verify_reducers:  # an aux peer reduces: the others' messages about its slice still come
-                    await asyncio.sleep(0)
+                if self.verify_reducers:  # an aux peer reduces: it sends its claims on its slice
+                    await self.verify_results(runner, group_id)
                 return
             if not self.verify_reducers:
                 async for tensor, update in azip(as_aiter(*tensors), runner):
@@ -452,4 +455,5 @@ class RobustAveraging(ReportMailbox):
             self._state_updated.set()
         finally:
             runner.tensor_part_container.release_results()
+            runner.tensor_part_reducer.reduced.clear()
             self.close_mailbox(group_id)

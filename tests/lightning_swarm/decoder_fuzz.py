@@ -458,7 +458,9 @@ def _spec_progress(value, now: float) -> bool:
             and type(client) is bool)
 
 
-_REPORT_PARTS = (2, 0, 3)  # parts reduced by each member of the fuzzed group
+_REPORT_PARTS = (2, 0, 3)  # parts reduced by each member of the fuzzed group (the fuzzed report's author: the first)
+_REPORT_ROWS = sum(7 + 2 * parts for parts in _REPORT_PARTS)
+_CLAIMS = 2 + 3 * (4 + 1 + 2 * 2)  # its claims block on its own slice (2 parts, 3 senders)
 
 
 def _spec_header(data) -> bool:
@@ -478,8 +480,14 @@ def _spec_report(values) -> bool:
     import numpy as np
 
     values = np.asarray(values, dtype=np.float64)
-    if len(values) != sum(7 + 2 * parts for parts in _REPORT_PARTS) or not np.all(np.isfinite(values)):
+    if len(values) != _REPORT_ROWS + _CLAIMS or not np.all(np.isfinite(values)):
         return False
+    claims, values = values[_REPORT_ROWS:], values[:_REPORT_ROWS]
+    if claims[0] != 0:
+        rows = claims[2:].reshape(3, 9)
+        if (claims[0] != 1 or not (0 <= claims[1] < 2 ** 53 and claims[1] == int(claims[1]))
+                or np.any(rows[:, 4] < 0) or np.any(rows[:, 5:7] < 0) or np.any(rows[:, 5:7] > 1 + 1e-6) or np.any(rows[:, 7:] < 0)):
+            return False
     offset = 0
     for parts in _REPORT_PARTS:
         row = values[offset:offset + 7 + 2 * parts]
@@ -495,7 +503,8 @@ def _spec_report(values) -> bool:
 
 def fuzz_reducer_reports(rng: random.Random, count: int) -> Outcome:
     """Mutated result headers (``reducer_checks.parse_header``) and verification messages of each phase
-    (``result_verification.parse_verification_message``, then ``reducer_checks.decode_report`` for reports)."""
+    (``result_verification.parse_verification_message``, then ``reducer_checks.decode_report`` and
+    ``decode_claims`` for reports: the rows on every reducer, then the author's claims on its own slice)."""
     import struct
 
     import numpy as np
@@ -508,7 +517,7 @@ def fuzz_reducer_reports(rng: random.Random, count: int) -> Outcome:
 
     outcome = Outcome("reducer_reports")
     group = b"g" * 32
-    length = rc.report_length(_REPORT_PARTS)
+    length = rc.report_length(_REPORT_PARTS) + rc.claims_length(_REPORT_PARTS[0], 3)
     odd = (0.0, -1.0, 1.0, 2.0, 0.5, 1e308, -1e308, float("nan"), float("inf"), 2.0 ** 53, 1.5, 7.0)
     for index in range(count):
         kind = rng.choice(("header", "phase", "report"))
@@ -541,7 +550,13 @@ def fuzz_reducer_reports(rng: random.Random, count: int) -> Outcome:
                     report = rc.SliceReport(True, np.array([rng.gauss(0, 1) for _ in range(4)]), rng.random(),
                                             float(rng.randrange(2 ** 48)), np.array([rng.random() for _ in range(2)]),
                                             np.array([rng.random() for _ in range(2)]))
-                    values = rc.encode_report([report, None, None], _REPORT_PARTS)
+                    claims = rc.ReducerClaims(
+                        float(rng.randrange(2 ** 48)), np.array([[rng.gauss(0, 1) for _ in range(4)] for _ in range(3)]),
+                        np.array([rng.random() for _ in range(3)]),
+                        np.array([[rng.random() for _ in range(2)] for _ in range(3)]),
+                        np.array([[rng.random() for _ in range(2)] for _ in range(3)]))
+                    values = np.concatenate((rc.encode_report([report, None, None], _REPORT_PARTS),
+                                             rc.encode_claims(claims if rng.random() < 0.8 else None, 2, 3)))
                     if index >= 10 and rng.random() < 0.6:
                         position = rng.randrange(len(values))
                         values[position] = rng.choice(odd)
@@ -582,7 +597,8 @@ def fuzz_reducer_reports(rng: random.Random, count: int) -> Outcome:
                 try:
                     parsed = rv.parse_verification_message(message, group, phase, length)
                     if phase == 3:
-                        rc.decode_report(parsed, _REPORT_PARTS)
+                        rc.decode_report(parsed[:_REPORT_ROWS], _REPORT_PARTS)
+                        rc.decode_claims(parsed[_REPORT_ROWS:], _REPORT_PARTS[0], 3)
                     accepted = True
                 except (rv.MalformedMessage, rc.MalformedReport):
                     pass

@@ -2,8 +2,9 @@
 
 The liar runs the honest reducer code and states its honest header, but adds ``--lie`` to every result it sends
 (``large``: 100 on every value; ``subtle``: 16 values of the slice, random Gaussian magnitudes, the whole of norm 50
-times one clipped sender's reach: the rest of the slice is the honest result). As a sender it sends its honest part. Each peer averages one tensor of
-``NUMEL`` values, ``base + 0.3 * noise(seed)``, uncompressed, with CenteredClip, in one group of 3.
+times one clipped sender's reach: the rest of the slice is the honest result). As a sender it sends its honest part.
+A framer (``--lie frame``) reduces honestly and sends false reports on the others' slices. Each peer averages one
+tensor of ``NUMEL`` values, ``base + 0.3 * noise(seed)``, uncompressed, with CenteredClip, in one group of 3.
 
 Usage (the first peer prints ``PEER <multiaddr>``; each prints ``PEER_ID <id>``, then ``DONE`` after its round):
 
@@ -53,13 +54,33 @@ def install_lie(kind: str) -> None:
     robust_allreduce.screen_and_aggregate = lying
 
 
+def install_frame() -> None:
+    """Make this process's reports on the other reducers' slices false (framing them): its projections moved by a
+    thousand times their norm and error bound (its results and its own slice stay honest)."""
+    from lightning_swarm import reducer_checks
+
+    honest = reducer_checks.member_report
+
+    def framing(*args, **kwargs):
+        report = honest(*args, **kwargs)
+        report.projections = report.projections + 1000.0 * (report.error + float(abs(report.projections).sum()))
+        return report
+
+    reducer_checks.member_report = framing
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seed", type=int, required=True, help="seed of this peer's tensor")
     parser.add_argument("--out", required=True, help="safetensors file for the averaged tensor")
     parser.add_argument("--initial-peer", default=None, help="multiaddr of a peer to join (none: start a DHT)")
-    parser.add_argument("--lie", choices=("none", "large", "subtle"), default="none", help="this peer's reducer lies")
+    parser.add_argument("--lie", choices=("none", "large", "subtle", "frame"), default="none",
+                        help="this peer's reducer lies (large, subtle), or its reports on the others' slices (frame)")
     parser.add_argument("--no-verify", action="store_true", help="apply the reducers' results unchecked")
+    parser.add_argument("--auxiliary", action="store_true",
+                        help="an auxiliary peer: it reduces a slice but sends no part of its own")
+    parser.add_argument("--client-mode", action="store_true",
+                        help="accept no connection (as a peer behind NAT): it sends and checks, but reduces nothing")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to find a group")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -74,17 +95,20 @@ def main() -> None:
     class Averager(RobustAveraging, DecentralizedAverager):
         pass
 
-    if args.lie != "none":
+    if args.lie == "frame":
+        install_frame()
+    elif args.lie != "none":
         install_lie(args.lie)
     dht = hivemind.DHT(initial_peers=[args.initial_peer] if args.initial_peer else None,
-                       host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+                       host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=args.client_mode, start=True)
     if not args.initial_peer:
         print("PEER", dht.get_visible_maddrs()[0], flush=True)
     tensor = make_tensor(args.seed)
     averager = Averager([tensor.clone()], dht=dht, prefix="lying_reducer_test", target_group_size=3,
                         min_group_size=3, min_matchmaking_time=3.0, request_timeout=1.0, compression=NoCompression(),
                         part_size_bytes=2 ** 14,  # 8 parts of 4096 values: each peer reduces some
-                        aggregation="centered_clip", verify_reducers=not args.no_verify, start=True)
+                        aggregation="centered_clip", verify_reducers=not args.no_verify,
+                        client_mode=args.client_mode, auxiliary=args.auxiliary, start=True)
     print("PEER_ID", dht.peer_id, flush=True)
     averager.step(timeout=args.timeout)
     with averager.get_tensors() as tensors:

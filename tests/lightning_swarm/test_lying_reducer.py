@@ -2,7 +2,8 @@
 (tests/lightning_swarm/lying_reducer.py): its results are honest + a large or subtle finite offset, its header honest.
 The honest peers refuse its slice, name it in the log and keep it out of their later groups; their tensors stay
 within the range of the inputs at every coordinate (the liar sends an honest part: only its reduction lies).
-Without the check the same lie lands in the honest peers' tensors (the test's control)."""
+Without the check the same lie lands in the honest peers' tensors (the test's control). Also: a liar that is an
+auxiliary peer, a group with one and with two client-mode members, and a framing member (false reports)."""
 
 from __future__ import annotations
 
@@ -19,15 +20,16 @@ WORKER = Path(__file__).with_name("lying_reducer.py")
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_round(tmp_path: Path, lie: str, verify: bool = True):
-    """Start 2 honest peers and a liar; return (honest peers' (input, averaged), the liar's input, the liar's peer
-    id, the honest peers' logs)."""
+def run_round(tmp_path: Path, lie: str, verify: bool = True, clients: int = 0, auxiliary: bool = False):
+    """Start 2 honest peers and a liar (``clients``: how many of the second honest peer and the liar are in client
+    mode; ``auxiliary``: the liar sends no part of its own); return (honest peers' (input, averaged), the liar's input, the liar's peer id, the honest peers' logs)."""
     extra = [] if verify else ["--no-verify"]
     env = dict(os.environ, PYTHONPATH=str(REPO))
 
-    def start(seed: int, initial: str | None, role: str):
+    def start(seed: int, initial: str | None, role: str, client: bool = False, auxiliary: bool = False):
         command = [sys.executable, str(WORKER), "--seed", str(seed), "--out", str(tmp_path / f"{seed}.safetensors"),
                    "--lie", role] + extra + (["--initial-peer", initial] if initial else [])
+        command += (["--client-mode"] if client else []) + (["--auxiliary"] if auxiliary else [])
         return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env=env, start_new_session=True)
 
@@ -41,7 +43,8 @@ def run_round(tmp_path: Path, lie: str, verify: bool = True):
             if line.startswith("PEER "):
                 maddr = line.split()[1]
                 break
-        processes += [start(1, maddr, "none"), start(2, maddr, lie)]
+        processes += [start(1, maddr, "none", client=clients >= 1),
+                      start(2, maddr, lie, client=clients >= 2, auxiliary=auxiliary)]
         for index, process in enumerate(processes):
             lines.setdefault(index, [])
             for line in process.stdout:
@@ -90,3 +93,58 @@ def test_without_the_check_the_lie_lands_in_honest_tensors(tmp_path):
     inputs = torch.stack([peer["input"] for peer in honest] + [liar_input])
     high = inputs.max(dim=0).values
     assert all(bool((peer["averaged"] > high + 50).any()) for peer in honest)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_framing_member_is_in_a_dispute_and_loses_its_seat(tmp_path):
+    """A member that reports falsely on the honest reducers' slices: each honest peer refuses the other honest
+    peer's slice (it can't tell which of the two lied) and keeps both out, naming the framer; nobody is blamed alone,
+    and the framer's own (honest) slice passes."""
+    honest, _, framer_id, logs = run_round(tmp_path, "frame")
+    for peer, log in zip(honest, logs):
+        assert f"dispute with {framer_id}" in log, log[-3000:]
+        assert f"peer {framer_id} is kept out of this peer's later groups" in log, log[-3000:]
+        assert "failed the check" not in log, log[-3000:]
+        assert log.count("refused the slice reduced by") == 1, log[-3000:]
+        assert f"refused the slice reduced by {framer_id}" not in log
+        assert not torch.equal(peer["averaged"], peer["input"])  # the framer's honest slice was applied
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_lying_reducer_is_caught_in_a_group_with_one_client_mode_member(tmp_path):
+    """The second honest peer is in client mode (it accepts no connection and reduces nothing): it calls the others,
+    who answer with their own messages, so the check runs; both honest peers refuse the liar's slice and keep it
+    out."""
+    honest, _, liar_id, logs = run_round(tmp_path, "large", clients=1)
+    for peer, log in zip(honest, logs):
+        assert "are not checked" not in log, log[-3000:]
+        assert f"refused the slice reduced by {liar_id}" in log, log[-3000:]
+        assert f"peer {liar_id} is kept out of this peer's later groups" in log, log[-3000:]
+        assert log.count("refused the slice reduced by") == 1, log[-3000:]
+        assert float(peer["averaged"].max()) < 50  # the lie (+100) was not applied
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_group_with_two_client_mode_members_is_not_checked(tmp_path):
+    """Two client-mode members (the second honest peer and the liar, which then reduces nothing) can't reach each
+    other: nothing is checked, and each averager says so once."""
+    honest, _, liar_id, logs = run_round(tmp_path, "large", clients=2)
+    for peer, log in zip(honest, logs):
+        assert "not checked in groups with 2 or more client-mode members" in log, log[-3000:]
+        assert "refused the slice" not in log
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_lying_auxiliary_reducer_is_caught(tmp_path):
+    """The liar is an auxiliary peer (it reduces a slice, sends no part): it still takes part in the exchange with
+    its claims on its slice, and both honest peers refuse that slice and keep it out."""
+    honest, _, liar_id, logs = run_round(tmp_path, "large", auxiliary=True)
+    for peer, log in zip(honest, logs):
+        assert f"refused the slice reduced by {liar_id}" in log, log[-3000:]
+        assert f"peer {liar_id} is kept out of this peer's later groups: its reduced slice failed" in log, log[-3000:]
+        assert log.count("refused the slice reduced by") == 1, log[-3000:]
+        assert float(peer["averaged"].max()) < 50

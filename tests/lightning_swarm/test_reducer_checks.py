@@ -46,26 +46,72 @@ def codec_roundtrip(tensor: torch.Tensor, codec: str):
 
 
 def run_group(parts, weights, reducer: int, aggregation="centered_clip", min_alignment=None, trust=None,
-              iters=20, lie=None, codec="none", liar_sends_to=None):
-    """One slice (one part) reduced by ``reducer`` and checked by every other member: the verdict of each checker.
-    ``lie``: a vector added to the result the reducer sends (to every member, or to ``liar_sends_to`` only)."""
+              iters=20, lie=None, codec="none", liar_sends_to=None, claims="sent", frame=None):
+    """One slice (one part) reduced by ``reducer`` and checked by every other member: each checker's
+    :class:`~lightning_swarm.reducer_checks.Verdict`, and the reducer's statement.
+
+    Args:
+        lie: a vector added to the result the reducer sends (to every member, or to ``liar_sends_to`` only).
+        claims: how the reducer makes its claims: "sent" (honestly, from the result it sent each member), "true"
+            (from the honest result, whatever it sent), or ("fit", j): from what it sent, except that its claim about
+            member j is moved so that the claims sum to minus its own stated residual (a lie about j that makes
+            the sum fit).
+        frame: {member: function(report) -> report}: that member's false report (the same to every checker).
+    """
     n = len(parts)
     sent = [codec_roundtrip(p, codec) for p in parts]  # what each sender's part looks like at the reducer
     statement = []
-    result, _, _ = screen_and_aggregate([s[0] for s in sent], weights, None, aggregation, None, iters, min_alignment,
+    received = [s[0] for s in sent]
+    result, _, _ = screen_and_aggregate(received, weights, None, aggregation, None, iters, min_alignment,
                                         trust, statement=statement, own=reducer)
     combination = statement[0]
     members = [j for j in range(n) if j != reducer]
-    reports = []
+    results = {}
     for j in members:
-        v = sent[j][0] if result is None else result
+        v = received[j] if result is None else result
         if lie is not None and (liar_sends_to is None or j in liar_sends_to):
             v = v + lie
-        delta, delta_q = codec_roundtrip(v - sent[j][0], codec)
+        results[j] = v
+    # the reducer's claims, each member's row from the result it says it sent that member
+    rows = {}
+    for j in members:
+        claimed = None if result is None else result  # "true": the honest result (None: each kept its own part)
+        if claims != "true" and (result is not None or results[j] is not received[j]):
+            claimed = results[j]
+        rows[j] = rc.reducer_claims(SEED, reducer, [rc.ReducedPart(received, claimed, combination)], len(members),
+                                    reducer)
+    stated = rows[members[0]]
+    projections = np.array([rows[j].projections[j] if j in rows else np.zeros(rc.PROJECTIONS) for j in range(n)])
+    projections[reducer] = 0.0
+    distances = np.array([rows[j].distances[j] if j in rows else np.zeros(1) for j in range(n)])
+    errors = np.array([rows[j].errors[j] if j in rows else 0.0 for j in range(n)])
+    if isinstance(claims, tuple):  # ("fit", j): move the claim about j so that the claims sum to -b_R (x_R - v)
+        target = rc.project([(received[reducer] - result, combination.own)], rc.part_seed(SEED, reducer, 0))
+        projections[claims[1]] -= target + projections.sum(axis=0)
+    claimed = rc.ReducerClaims(stated.digest, projections, errors, stated.coefficients, distances)
+    reports = []
+    for j in members:
+        delta, delta_q = codec_roundtrip(results[j] - sent[j][0], codec)
         header = rc.parse_header(rc.encode_header(combination, j))
-        received = rc.ReceivedPart(parts[j], delta, header, delta_q, sent[j][1])
-        reports.append((header, rc.member_report(SEED, reducer, [received], len(members))))
-    return [rc.check_slice([header], [r for _, r in reports], reducer_sends=True) for header, _ in reports], combination
+        part = rc.ReceivedPart(parts[j], delta, header, delta_q, sent[j][1])
+        report = rc.member_report(SEED, reducer, [part], len(members))
+        if frame and j in frame:
+            report = frame[j](report)
+        reports.append((header, report))
+    verdicts = []
+    for position, j in enumerate(members):
+        header, own_report = reports[position]
+        if frame and j in frame:  # a framer checks with its true report (its verdict is not asserted)
+            delta, delta_q = codec_roundtrip(results[j] - sent[j][0], codec)
+            own_report = rc.member_report(SEED, reducer, [rc.ReceivedPart(parts[j], delta, header, delta_q,
+                                                                          sent[j][1])], len(members))
+        seen = [own_report if k == position else r for k, (_, r) in enumerate(reports)]
+        verdicts.append(rc.judge_slice([header], seen, claimed, members, position, reducer_sends=True))
+    return verdicts, combination
+
+
+def reasons(verdicts):
+    return [v.reason for v in verdicts]
 
 
 CASES = [
@@ -94,22 +140,25 @@ def test_honest_results_always_pass(case, n, codec):
         weights = [1.0, 2.0, 1.0, 3.0][:n]
         for reducer in range(n):
             verdicts, _ = run_group(parts, weights, reducer, codec=codec, **options)
-            assert verdicts == [None] * (n - 1), (seed, reducer, verdicts)
+            assert all(v == rc.Verdict(None) for v in verdicts), (seed, reducer, verdicts)
 
 
 def test_lone_refused_and_keep_parts_pass_honestly_and_a_changed_one_is_refused():
     parts = honest_group(3, 2000, 0)
     # a lone sender never seen, with the screen: zeros for everyone (the virtual part holds all the mass)
     verdicts, combination = run_group(parts, [1.0, 0.0, 0.0], 0, min_alignment=0.5, trust=[None, None, None])
-    assert combination.zero == 1.0 and verdicts == [None, None]
+    assert combination.zero == 1.0 and reasons(verdicts) == [None, None]
     verdicts, _ = run_group(parts, [1.0, 0.0, 0.0], 0, min_alignment=0.5, trust=[None, None, None],
                             lie=torch.full((2000,), 0.01))
-    assert all(v is not None for v in verdicts)
+    assert all(v.reason is not None and v.blame == rc.BLAME_REDUCER for v in verdicts)
     # no sender with a positive weight: each keeps its own part, and a change is refused
     verdicts, combination = run_group(parts, [0.0, 0.0, 0.0], 1)
-    assert combination.mode == rc.MODE_KEEP and verdicts == [None, None]
+    assert combination.mode == rc.MODE_KEEP and reasons(verdicts) == [None, None]
     verdicts, _ = run_group(parts, [0.0, 0.0, 0.0], 1, lie=torch.full((2000,), 1e-3))
-    assert all("no sender was accepted" in v for v in verdicts)
+    assert all("no sender was accepted" in v.reason and v.blame == rc.BLAME_REDUCER for v in verdicts)
+    # claims that say it sent nothing changed: each member sees a false claim about itself
+    verdicts, _ = run_group(parts, [0.0, 0.0, 0.0], 1, lie=torch.full((2000,), 1e-3), claims="true")
+    assert all("no sender was accepted" in v.reason and v.blame == rc.BLAME_REDUCER for v in verdicts)
 
 
 def reach(parts, weights, reducer, **options):
@@ -141,10 +190,10 @@ def test_a_lie_of_any_direction_beyond_one_clipped_senders_reach_is_refused(opti
                 direction = direction - (direction @ p) / (p @ p) * p
         lie = direction / direction.norm() * limit * 30
         verdicts, _ = run_group(parts, weights, 0, lie=lie, **options)
-        refused += all(v is not None for v in verdicts)
-        # a lie told to one member only is refused by every member (the sum of their residuals is off)
+        refused += all(v.reason is not None and v.blame == rc.BLAME_REDUCER for v in verdicts)
+        # a lie told to one member only is refused by every member (the sum of the claims is off)
         verdicts, _ = run_group(parts, weights, 0, lie=lie, liar_sends_to=[1], **options)
-        refused += all(v is not None for v in verdicts)
+        refused += all(v.reason is not None and v.blame == rc.BLAME_REDUCER for v in verdicts)
     # 30 times the reach: P(pass) <= P(chi2_4 < 56 / 900) ~ 5e-4 per try (and 0 here with these seeds)
     assert refused == 40
 
@@ -155,7 +204,95 @@ def test_a_lie_beyond_one_clipped_senders_reach_is_refused_under_the_mean_only_a
     parts = honest_group(3, 3000, 2)
     lie = torch.randn(3000, generator=torch.Generator().manual_seed(0)) * 10
     verdicts, _ = run_group(parts, [1.0, 1.0, 1.0], 0, aggregation="mean", lie=lie)
-    assert all(v is not None and "projects to" in v for v in verdicts)
+    assert all(v.reason is not None and "projects to" in v.reason and v.blame == rc.BLAME_REDUCER for v in verdicts)
+
+
+def framing(kind: str, size: float, seed: int):
+    """A framer's report: its true one with ``kind`` changed by ``size``."""
+    generator = np.random.default_rng(seed)
+
+    def change(report):
+        projections, error, digest = report.projections.copy(), report.error, report.digest
+        coefficients, distances = report.coefficients.copy(), report.distances.copy()
+        if kind == "projections":  # a random direction, ``size`` times its bound and its own norm
+            direction = generator.standard_normal(len(projections))
+            projections += direction / np.linalg.norm(direction) * size * (error + np.linalg.norm(projections))
+        elif kind == "digest":
+            digest = float((int(digest) + 1) % 2 ** 53)
+        elif kind == "coefficient":
+            coefficients = np.minimum(coefficients + size, 1.0)
+        elif kind == "distance":
+            distances = distances * size
+        elif kind == "error":
+            error = error * size
+        return rc.SliceReport(True, projections, error, digest, coefficients, distances)
+    return change
+
+
+FRAMES = [("projections", 0.3), ("projections", 3.0), ("projections", 30.0), ("projections", 1e6), ("digest", 1),
+          ("coefficient", 0.01), ("distance", 0.5), ("error", 1e-3), ("error", 1e9)]
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "8bit"])
+@pytest.mark.parametrize("aggregation", ["mean", "centered_clip"])
+@pytest.mark.parametrize("n", [3, 4])
+def test_a_framing_member_is_in_a_dispute_never_the_reducer_alone(n, aggregation, codec):
+    refused = 0
+    for seed in range(2):
+        parts = honest_group(n, 5000, seed)
+        for framer in range(1, n):
+            for kind, size in FRAMES:
+                verdicts, _ = run_group(parts, [1.0, 2.0, 1.0, 3.0][:n], 0, aggregation=aggregation, codec=codec,
+                                        frame={framer: framing(kind, size, seed)})
+                honest = [v for position, v in enumerate(verdicts) if position != framer - 1]
+                for v in honest:
+                    assert v.blame != rc.BLAME_REDUCER, (kind, size, v)
+                    assert v.reason is None or (v.blame == rc.BLAME_DISPUTE and v.disputed == (framer - 1,)), v
+                if kind in ("digest", "coefficient", "distance") or (kind == "projections" and size >= 30):
+                    assert all(v.reason is not None for v in honest), (kind, size, honest)
+                    refused += 1
+                if kind == "error" and size > 1:  # a bound of its own too large changes nothing
+                    assert all(v.reason is None for v in honest)
+    assert refused == 2 * (n - 1) * 5
+
+
+@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("codec", ["none", "8bit"])
+def test_a_reducer_that_lies_about_a_member_is_blamed_by_it_and_disputed_by_the_others(n, codec):
+    parts = honest_group(n, 5000, 11)
+    weights = [1.0] * n
+    lie = torch.randn(5000, generator=torch.Generator().manual_seed(1)) * reach(parts, weights, 0) * 30 / 70
+    for victim in range(1, n):
+        # a lie to everyone, with its claim about the victim moved so that the claims sum to its stated residual
+        verdicts, _ = run_group(parts, weights, 0, lie=lie, codec=codec, claims=("fit", victim))
+        assert verdicts[victim - 1].blame == rc.BLAME_REDUCER, verdicts[victim - 1]
+        for position, v in enumerate(verdicts):
+            if position != victim - 1:
+                assert v.blame == rc.BLAME_REDUCER or (v.blame == rc.BLAME_DISPUTE and v.disputed == (victim - 1,)), v
+        # a lie to the victim alone, with claims from the honest result: the sum fits
+        verdicts, _ = run_group(parts, weights, 0, lie=lie, codec=codec, liar_sends_to=[victim], claims="true")
+        assert verdicts[victim - 1].blame == rc.BLAME_REDUCER, verdicts[victim - 1]
+        assert all(v.blame == rc.BLAME_DISPUTE and v.disputed == (victim - 1,)
+                   for position, v in enumerate(verdicts) if position != victim - 1), verdicts
+
+
+def test_a_member_that_inflates_its_error_bound_does_not_hide_a_lying_reducer():
+    parts = honest_group(3, 5000, 4)
+    lie = torch.randn(5000, generator=torch.Generator().manual_seed(2)) * reach(parts, [1.0] * 3, 0) * 30 / 70
+    verdicts, _ = run_group(parts, [1.0] * 3, 0, lie=lie, frame={2: framing("error", 1e12, 0)})
+    assert verdicts[0].blame == rc.BLAME_REDUCER, verdicts[0]
+
+
+@pytest.mark.parametrize("options", [dict(aggregation="mean"), dict(aggregation="centered_clip", iters=3),
+                                     dict(aggregation="centered_clip", min_alignment=0.5)])
+def test_honest_groups_blame_nobody_over_many_seeds(options):
+    for seed in range(40):
+        n = 2 + seed % 3
+        codec = ("none", "fp16", "8bit")[seed % 3 if seed % 2 else (seed // 2) % 3]
+        parts = honest_group(n, 3000, 100 + seed, spread=(0.01, 0.3, 3.0)[seed % 3])
+        weights = list(np.random.default_rng(seed).uniform(0.2, 3.0, n))
+        verdicts, _ = run_group(parts, weights, seed % n, codec=codec, **options)
+        assert all(v == rc.Verdict(None) for v in verdicts), (seed, verdicts)
 
 
 def test_headers_and_reports_are_checked():
@@ -178,6 +315,21 @@ def test_headers_and_reports_are_checked():
                    lambda v: np.where(np.arange(len(v)) == 3 + rc.PROJECTIONS, -1.0, v)):
         with pytest.raises(rc.MalformedReport):
             rc.decode_report(mutate(values.copy()), parts)
+    claims = rc.ReducerClaims(777.0, np.ones((3, rc.PROJECTIONS)), np.full(3, 0.1), np.full((3, 2), 0.25),
+                              np.ones((3, 2)))
+    block = rc.encode_claims(claims, 2, 3)
+    assert len(block) == rc.claims_length(2, 3) == 2 + 3 * (rc.PROJECTIONS + 5) and rc.claims_length(0, 3) == 0
+    back = rc.decode_claims(block, 2, 3)
+    assert back.digest == 777.0 and np.array_equal(back.coefficients, claims.coefficients)
+    assert np.array_equal(back.projections, claims.projections) and np.array_equal(back.distances, claims.distances)
+    assert rc.decode_claims(np.zeros(len(block)), 2, 3) is None
+    for mutate in (lambda v: v[:-1], lambda v: np.where(np.arange(len(v)) == 1, 0.5, v),
+                   lambda v: np.where(np.arange(len(v)) == 2, np.inf, v),
+                   lambda v: np.where(np.arange(len(v)) == 0, 2.0, v),
+                   lambda v: np.where(np.arange(len(v)) == 2 + rc.PROJECTIONS, -1.0, v),
+                   lambda v: np.where(np.arange(len(v)) == 3 + rc.PROJECTIONS, 1.5, v)):
+        with pytest.raises(rc.MalformedReport):
+            rc.decode_claims(mutate(block.copy()), 2, 3)
 
 
 def test_the_chernoff_limit_bounds_honest_projections():
