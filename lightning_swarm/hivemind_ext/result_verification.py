@@ -38,6 +38,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import tempfile
 from typing import AsyncIterator, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
@@ -165,9 +166,43 @@ class ReportMailbox:
             raise ValueError(f"verification_timeout must be a positive number of seconds, got {verification_timeout!r}")
         self.verification_timeout = verification_timeout
         self._mailboxes: Dict[bytes, _Mailbox] = {}
-        self.excluded_peers: Dict[PeerID, str] = {}  # averager process: peer -> why
+        self._excluded_here: Dict[PeerID, str] = {}  # this averager's process: peer -> why
+        self._excluded_shared: Dict[PeerID, str] = {}
+        self._exclusions_seen: Tuple[int, int] = (-1, -1)
         self._warned_client_groups = False
         super().__init__(*args, **kwargs)
+
+    def _exclusions_path(self) -> Optional[str]:
+        """The file every averager of this peer (they share its peer id: the gradient and the state averager are
+        separate processes) writes its exclusions to and reads the others' from."""
+        peer_id = getattr(self, "peer_id", None)
+        if peer_id is None:
+            return None
+        return os.path.join(tempfile.gettempdir(), "lightning_swarm_exclusions", peer_id.to_base58())
+
+    @property
+    def excluded_peers(self) -> Dict[PeerID, str]:
+        """The peers kept out of this peer's groups, by any of its averagers (peer -> why)."""
+        path = self._exclusions_path()
+        try:
+            stat = os.stat(path) if path is not None else None
+        except OSError:
+            stat = None
+        if stat is not None and (stat.st_mtime_ns, stat.st_size) != self._exclusions_seen:
+            self._exclusions_seen = (stat.st_mtime_ns, stat.st_size)
+            shared = {}
+            try:
+                with open(path, encoding="utf-8", errors="replace") as lines:
+                    for line in lines:
+                        peer, _, reason = line.rstrip("\n").partition("\t")
+                        try:
+                            shared[PeerID.from_base58(peer)] = reason
+                        except Exception:  # a line torn by a crash: the others still count
+                            continue
+            except OSError:
+                pass
+            self._excluded_shared = shared
+        return {**self._excluded_shared, **self._excluded_here}
 
     async def rpc_reducer_report(self, request: averaging_pb2.AveragingData, context: P2PContext
                                  ) -> averaging_pb2.AveragingData:
@@ -188,10 +223,24 @@ class ReportMailbox:
             yield message
 
     def exclude_peer(self, peer: PeerID, reason: str) -> None:
-        """Keep ``peer`` out of this peer's later groups (for the rest of the run)."""
+        """Keep ``peer`` out of this peer's later groups, in all of its averagers (they read the exclusions from a
+        file of their shared peer id), for the rest of the run and of any later run under the same identity."""
         if peer not in self.excluded_peers:
-            self.excluded_peers[peer] = reason
+            self._excluded_here[peer] = reason
             log.warning(f"[lightning_swarm] averaging: peer {peer} is kept out of this peer's later groups: {reason}")
+            path = self._exclusions_path()
+            if path is not None:  # this peer's other averagers read it (one short line: an atomic append)
+                try:
+                    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+                    descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                    try:
+                        line = " ".join(reason[:500].split())  # one line, no tabs
+                        os.write(descriptor, f"{peer.to_base58()}\t{line}\n".encode())
+                    finally:
+                        os.close(descriptor)
+                except OSError as e:
+                    log.warning(f"[lightning_swarm] averaging: could not share the exclusion of {peer} with this "
+                                f"peer's other averagers: {e!r}")
 
     def open_mailbox(self, group_id: bytes, members: Sequence[PeerID]) -> None:
         while len(self._mailboxes) >= MAX_MAILBOXES:

@@ -354,3 +354,33 @@ def test_the_reducers_own_part_is_clipped_exactly_against_the_result():
         distances = [float((p - result).norm()) for p in parts]
         assert combination.residual == pytest.approx(combination.own * distances[1], rel=1e-4)
         assert combination.residual <= combination.share * max(distances[0], distances[2]) * (1 + 1e-6)
+
+
+def test_a_peer_kept_out_by_one_averager_is_kept_out_by_the_others_of_the_same_peer():
+    """The gradient and the state averager of one trainer are separate processes sharing its peer id: a reducer
+    refused in a gradient round must not seat itself in the next state round (found by the Byzantine swarm's lying
+    reducer: its lie then landed through a state round of 2)."""
+    import hivemind
+    from hivemind.averaging import DecentralizedAverager
+    from hivemind.p2p import PeerID
+
+    from lightning_swarm.hivemind_ext.robust_allreduce import RobustAveraging
+
+    class Averager(RobustAveraging, DecentralizedAverager):
+        pass
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    other = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        averagers = [Averager([torch.zeros(3)], dht=dht, prefix=prefix, start=False, target_group_size=2)
+                     for prefix in ("grad", "state")]
+        stranger = Averager([torch.zeros(3)], dht=other, prefix="grad", start=False, target_group_size=2)
+        liar = PeerID.from_base58(str(other.peer_id))
+        assert liar not in averagers[1].excluded_peers
+        averagers[0].exclude_peer(liar, "its reduced slice failed the check (a test)")
+        assert liar in averagers[0].excluded_peers
+        assert "a test" in averagers[1].excluded_peers[liar]  # the other averager of the same peer
+        assert liar not in stranger.excluded_peers  # another peer's averagers decide for themselves
+    finally:
+        dht.shutdown()
+        other.shutdown()
