@@ -151,7 +151,7 @@ def run_swarm(root: Path, attack: Optional[str], aggregation: str = "centered_cl
         started.append(Peer(root, "third", strategy, model=SWARM_MODEL,
                             data={"batch_size": 16, "offset": 60_000, "noise": SWARM_DATA_NOISE},
                             recorder=recorder, trainer=trainer, join_later=True))
-        join = first.join_peers()
+        join = first.join_peers(timeout=timeout)  # its start shares the cores with the other two's imports
         for peer in started[1:]:
             peer.join(join)
         # the honest peers' parameters at STOP_AT_EPOCH are saved before the event that records the epoch; their
