@@ -1,4 +1,5 @@
-"""A malicious swarm peer for the Byzantine tests and benchmark: a HivemindStrategy whose gradient averager lies.
+"""A malicious swarm peer for the Byzantine tests and benchmark: a HivemindStrategy whose gradient averager or
+reducer lies.
 
 Named in a peer's YAML as ``trainer.strategy.class_path: byzantine.ByzantineStrategy`` with ``attack``:
 
@@ -7,10 +8,13 @@ Named in a peer's YAML as ``trainer.strategy.class_path: byzantine.ByzantineStra
 - ``weight``: claims weight 1e9 (a billion samples) and sends its gradients negated (gradient ascent), so that an
   average it decided would undo training;
 - ``ascent``: sends its gradients multiplied by -1e3 (loud gradient ascent, issue 24's finding 0), with its true
-  weight.
+  weight;
+- ``liar``: a lying reducer (issue 24, item 9): it sends honest gradients and states, but every result it reduces,
+  in gradient and state rounds alike, is the honest one + 100 on every value, with the honest header
+  (tests/lightning_swarm/lying_reducer.py's ``large`` lie, installed in its averagers' processes).
 
-It bypasses the local guard that keeps an honest peer from sending non-finite gradients (it corrupts the
-gradients after the guard ran); everything else (its reducer part, its state) runs the honest code.
+The gradient attackers bypass the local guard that keeps an honest peer from sending non-finite gradients (they
+corrupt the gradients after the guard ran); everything else (their reducer part, their state) runs the honest code.
 
 :func:`run_swarm` trains a 3-peer swarm of tests/lightning_swarm/peer_worker.py peers whose third peer attacks
 (used by test_byzantine_swarm.py and tests/benchmarks/bench_robust_averaging.py).
@@ -18,6 +22,8 @@ gradients after the guard ran); everything else (its reducer part, its state) ru
 
 from __future__ import annotations
 
+import re
+import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -26,15 +32,17 @@ import torch
 from lightning_swarm.aggregation import DEFAULT_MIN_ALIGNMENT
 from lightning_swarm.strategy import HivemindStrategy
 
-ATTACKS = ("scale", "nan", "weight", "ascent")
+GRADIENT_ATTACKS = ("scale", "nan", "weight", "ascent")
+REDUCER_ATTACKS = ("liar",)
+ATTACKS = GRADIENT_ATTACKS + REDUCER_ATTACKS
 
 
 class ByzantineGradientAverager(HivemindStrategy.grad_averager_class):
     """A gradient averager that corrupts what it sends, see the module docstring (``attack``)."""
 
     def __init__(self, *args, attack: str, **kwargs):
-        if attack not in ATTACKS:
-            raise ValueError(f"attack must be one of {ATTACKS}, got {attack!r}")
+        if attack not in GRADIENT_ATTACKS:
+            raise ValueError(f"attack must be one of {GRADIENT_ATTACKS}, got {attack!r}")
         self.attack = attack
         super().__init__(*args, **kwargs)
 
@@ -71,10 +79,17 @@ class ByzantineStrategy(HivemindStrategy):
             raise ValueError(f"attack must be one of {ATTACKS}, got {attack!r}")
         super().__init__(**kwargs)
         self.attack = attack
+        if attack == "liar":
+            from lying_reducer import install_lie
+
+            # before the strategy builds its averagers: their processes (forked) inherit the lying reducer
+            install_lie("large")
 
     @property
     def grad_averager_class(self):
         attack = self.attack
+        if attack in REDUCER_ATTACKS:
+            return HivemindStrategy.grad_averager_class
         return lambda *args, **kwargs: ByzantineGradientAverager(*args, attack=attack, **kwargs)
 
 
@@ -124,23 +139,33 @@ def run_swarm(root: Path, attack: Optional[str], aggregation: str = "centered_cl
         first = Peer(root, "first", strategy, model=SWARM_MODEL, data={"batch_size": 16, "noise": SWARM_DATA_NOISE},
                      recorder=recorder)
         started.append(first)
-        join = first.join_peers()
-        strategy = dict(strategy, initial_peers=join)
+        # the other two start with the first (join_later): their imports overlap its start instead of following it
         second = Peer(root, "second", strategy, model=SWARM_MODEL,
-                      data={"batch_size": 16, "offset": 30_000, "noise": SWARM_DATA_NOISE}, recorder=recorder)
+                      data={"batch_size": 16, "offset": 30_000, "noise": SWARM_DATA_NOISE}, recorder=recorder,
+                      join_later=True)
         started.append(second)
-        third_strategy = strategy
         trainer = None
         if attack is not None:
             trainer = {"strategy": {"class_path": "byzantine.ByzantineStrategy",
-                                    "init_args": dict(third_strategy, attack=attack)}}
-        started.append(Peer(root, "third", third_strategy, model=SWARM_MODEL,
+                                    "init_args": dict(strategy, attack=attack)}}
+        started.append(Peer(root, "third", strategy, model=SWARM_MODEL,
                             data={"batch_size": 16, "offset": 60_000, "noise": SWARM_DATA_NOISE},
-                            recorder=recorder, trainer=trainer))
-        for peer in (first, second):
-            peer.wait(timeout=timeout)
-        for peer in (first, second):
-            assert peer.max_epoch() >= STOP_AT_EPOCH, peer.log()[-3000:]
+                            recorder=recorder, trainer=trainer, join_later=True))
+        join = first.join_peers(timeout=timeout)  # its start shares the cores with the other two's imports
+        for peer in started[1:]:
+            peer.join(join)
+        # the honest peers' parameters at STOP_AT_EPOCH are saved before the event that records the epoch; their
+        # exit (hivemind's shutdown) is not waited for
+        deadline = time.monotonic() + timeout
+        while not all(peer.max_epoch() >= STOP_AT_EPOCH for peer in (first, second)):
+            for peer in (first, second):
+                peer.check_alive()
+                if peer.process.poll() == 0:  # stopped at max_seconds, before STOP_AT_EPOCH
+                    assert peer.max_epoch() >= STOP_AT_EPOCH, peer.log()[-3000:]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the honest peers did not reach epoch {STOP_AT_EPOCH} within {timeout} s:\n" +
+                                   "\n".join(f"--- {p.name}\n{p.log()[-2000:]}" for p in (first, second)))
+            time.sleep(0.2)
         return [peer.params(STOP_AT_EPOCH) for peer in (first, second)], [peer.log() for peer in (first, second)]
     finally:
         for peer in started:
@@ -148,6 +173,17 @@ def run_swarm(root: Path, attack: Optional[str], aggregation: str = "centered_cl
             if log_dir is not None:
                 Path(log_dir).mkdir(parents=True, exist_ok=True)
                 (Path(log_dir) / f"{peer.name}.log").write_text(peer.log())
+
+
+def attacker_peer_id(root: Path) -> str:
+    """The peer id of the third peer of :func:`run_swarm` (``root``: its ``root``), from the join address it
+    printed."""
+    from swarm_harness import JOIN_OPTION
+
+    log = (Path(root) / "third" / "log.txt").read_text(errors="replace")
+    match = JOIN_OPTION.search(log)
+    assert match, f"the third peer printed no join address:\n{log[-3000:]}"
+    return re.search(r"/p2p/(\w+)", match.group(1)).group(1)
 
 
 def validation_loss(params: Optional[Dict[str, torch.Tensor]] = None) -> float:
