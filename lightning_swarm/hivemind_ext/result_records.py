@@ -68,6 +68,7 @@ class ResultRecords:
         self._kept: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
         self._messages: Dict[Tuple[int, int], Tuple[Optional[rc.ResultHeader], str, Optional[tuple]]] = {}
         self._incomplete: Set[int] = set()
+        self.failed_reducers: Set[int] = set()  # reducers whose results did not come (hivemind gave up on them)
 
     def record_result_message(self, peer_index: int, part_index: int, message: averaging_pb2.AveragingData) -> None:
         """Called with each (checked) result message of a reducer, before it is decoded."""
@@ -90,6 +91,7 @@ class ResultRecords:
 
     def mark_failed(self, peer_index: int) -> None:
         self._incomplete.add(peer_index)
+        self.failed_reducers.add(peer_index)
 
     def result_headers(self, peer_index: int) -> Optional[List[rc.ResultHeader]]:
         """The headers of every part of that reducer's slice (None if one is missing or malformed)."""

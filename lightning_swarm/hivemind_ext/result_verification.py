@@ -288,6 +288,13 @@ class ReportMailbox:
                 log.warning("[lightning_swarm] averaging: reducer results are not checked in groups with 2 or more "
                             "client-mode members (they accept no connection, so they can't get each other's reports)")
             return set()
+        failed = _failed_members(runner, others)
+        if failed:
+            # a member that sent no part by next_chunk_timeout or reduced nothing (it died, most often) sends no
+            # commitment either: say so now instead of waiting verification_timeout for it
+            log.warning(f"[lightning_swarm] averaging: no verification this round ({failed} failed during the "
+                        f"round): the other members' slices are not applied")
+            return set(reducers)
         callees = [peer for peer in others if modes[peer] != AveragingMode.CLIENT]
         mailbox = self._mailboxes[group_id]
         timeout = self.verification_timeout
@@ -389,6 +396,14 @@ def _member_reports(runner, seed: bytes, reducers: Sequence[int], senders: Seque
     members = len([peer for peer in senders if peer != runner.peer_id])
     return reports, rc.reducer_claims(seed, me, [reducer.reduced[p] for p in range(parts)], members,
                                       reducer.own_sender)
+
+
+def _failed_members(runner, others: Sequence[PeerID]) -> List[str]:
+    """The members this peer's all-reduce saw fail: senders banned for sending nothing by ``next_chunk_timeout``,
+    reducers whose results did not come (hivemind's ``banned_senders`` and the container's failed reducers)."""
+    peers = list(runner.ordered_peer_ids)
+    failed = set(runner.banned_senders) | {peers[index] for index in runner.tensor_part_container.failed_reducers}
+    return sorted(str(peer) for peer in others if peer in failed)
 
 
 def zero_slices(updates: Sequence[torch.Tensor], container, refused: Set[int]) -> None:
