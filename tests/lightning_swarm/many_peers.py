@@ -5,7 +5,6 @@ closed, at interpreter exit, and on failure; :meth:`ManyPeerSwarm.leftovers` lis
 
     with ManyPeerSwarm(tmp_path, specs, strategy=..., model=..., duration=120) as swarm:
         swarm.start()
-        swarm.prepare_replacement(3)  # optional: the new machine boots (imports, builds its model) meanwhile
         swarm.replace(3)            # churn: peer 3's machine dies, a new one joins with the same speed
         swarm.wait()
     swarm.peers / swarm.retired     # events, logs, memory samples of every peer that ran
@@ -92,7 +91,6 @@ class SimPeer:
     started: float = field(default_factory=time.time)
     killed: Optional[float] = None
     memory: List[Dict[str, float]] = field(default_factory=list)
-    peers_file: Optional[Path] = None  # the file of initial peers it waits for (started with join_later)
 
     def log(self) -> str:
         path = self.out_dir / "log.txt"
@@ -140,7 +138,6 @@ class ManyPeerSwarm:
         self.peers: List[SimPeer] = []  # the current peer of each slot
         self.retired: List[SimPeer] = []  # peers killed by churn
         self.late: List[SimPeer] = []  # replacements that were still joining when the swarm stopped
-        self.spares: Dict[int, SimPeer] = {}  # started replacements, waiting for replace() (prepare_replacement)
         self.stop_time = float("inf")
         self._started = 0
         self._sessions: set = set()
@@ -148,10 +145,7 @@ class ManyPeerSwarm:
         self._sampler = threading.Thread(target=self._sample_memory, daemon=True)
 
     # ------------------------------------------------------------------------------------------------ processes
-    def _launch(self, slot: int, initial_peers: Optional[List[str]], join_later: bool,
-                own_peers_file: bool = False) -> SimPeer:
-        """Start a peer of ``slot``'s speed; with ``join_later`` it waits for the swarm's initial_peers.json before it
-        joins (``own_peers_file``: for initial_peers.json in its own directory instead)."""
+    def _launch(self, slot: int, initial_peers: Optional[List[str]], join_later: bool) -> SimPeer:
         spec = self.specs[slot]
         name = f"peer{slot:02d}-{self._started}"
         self._started += 1
@@ -162,9 +156,8 @@ class ManyPeerSwarm:
             strategy["initial_peers"] = initial_peers
         config = {"out_dir": str(out_dir), "strategy": strategy, "stop_time": self.stop_time,
                   "model": dict(self.model, samples_per_second=spec.samples_per_second, seed=1000 + self._started)}
-        peers_file = (out_dir if own_peers_file else self.root) / "initial_peers.json" if join_later else None
-        if peers_file is not None:
-            config["initial_peers_file"] = str(peers_file)
+        if join_later:
+            config["initial_peers_file"] = str(self.root / "initial_peers.json")
         (out_dir / "config.json").write_text(json.dumps(config))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), str(REPO)]), OMP_NUM_THREADS="1")
         env.pop("LIGHTNING_SWARM_INITIAL_PEERS", None)
@@ -173,7 +166,7 @@ class ManyPeerSwarm:
                                        stderr=subprocess.STDOUT, env=env, start_new_session=True)
         _ALL_GROUPS.add(process.pid)
         self._sessions.add(process.pid)
-        return SimPeer(name, spec, out_dir, process, peers_file=peers_file)
+        return SimPeer(name, spec, out_dir, process)
 
     def start(self, timeout: float = 240) -> None:
         """Start every peer (all import at once; peers after the first wait for its address), and return once all
@@ -214,28 +207,13 @@ class ManyPeerSwarm:
                 addresses += peer.join_address() or []
         return addresses
 
-    def prepare_replacement(self, slot: int) -> None:
-        """Start the process of the peer that :meth:`replace` will put in ``slot`` now: it imports and builds its model
-        while the swarm trains, and joins once replace() hands it the reachable peers (a machine that was booted
-        before it joins, instead of one that boots after the other died)."""
-        if slot in self.spares:
-            raise ValueError(f"a replacement for slot {slot} is already started")
-        self.spares[slot] = self._launch(slot, None, True, own_peers_file=True)
-
     def replace(self, slot: int) -> SimPeer:
         """Churn: SIGKILL the peer in ``slot`` with all its processes, start a new peer of the same speed and mode
-        (or hand the one :meth:`prepare_replacement` started its peers) that joins the reachable peers still alive."""
+        that joins the reachable peers still alive."""
         old = self.peers[slot]
         old.kill()
         self.retired.append(old)
-        spare = self.spares.pop(slot, None)
-        if spare is None:
-            new = self._launch(slot, self.reachable_addresses(), False)
-        else:
-            new = spare
-            temporary = spare.peers_file.with_suffix(".tmp")
-            temporary.write_text(json.dumps(self.reachable_addresses()))
-            os.replace(temporary, spare.peers_file)
+        new = self._launch(slot, self.reachable_addresses(), False)
         (new.out_dir / "stop_time").write_text(repr(self.stop_time))
         self.peers[slot] = new
         return new
@@ -284,7 +262,7 @@ class ManyPeerSwarm:
 
     def close(self) -> None:
         self._closing.set()
-        for peer in self.peers + self.retired + list(self.spares.values()):
+        for peer in self.peers + self.retired:
             peer.kill()
         for sid in self._sessions:  # a process that left its group (none should) still shares the session
             for pid in session_pids(sid):
