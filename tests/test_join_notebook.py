@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hivemind.p2p import P2P, PeerID
+
 from processes import Proc, free_port
 
 nbclient = pytest.importorskip("nbclient")
@@ -82,19 +84,31 @@ def test_join_notebook_runs_top_to_bottom_and_its_peer_joins_the_swarm(tmp_path,
     run_id = f"join_notebook_{os.getpid()}_{stop}"
     recipe = small_recipe(tmp_path, run_id)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]), OMP_NUM_THREADS="1")
+    # the monitor's identity and port are chosen here, so that its address is known before it starts: the kernel
+    # starts with it and runs the cells before the join meanwhile (the join cell waits for the monitor)
+    P2P.generate_identity(str(tmp_path / "monitor.id"))
+    port = free_port()
+    address = f"/ip4/127.0.0.1/tcp/{port}/p2p/{PeerID.from_identity((tmp_path / 'monitor.id').read_bytes())}"
     monitor = Proc([sys.executable, "-m", "lightning_swarm.monitor", "--config", str(recipe),
-                    "--host-maddrs", f"/ip4/127.0.0.1/tcp/{free_port()}", "--identity-path", "monitor.id",
+                    "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--identity-path", "monitor.id",
                     "--no-checkpoints", "--log-dir", "logs", "--loggers", "csv", "--refresh-period", "0.5",
                     "--max-runtime", "500"], str(tmp_path / "monitor.log"), env, cwd=str(tmp_path))
+
+    def wait_for_the_monitor_before_the_join(cell, cell_index, **kwargs):
+        if cell_index == join_cell:  # a volunteer pastes the address once the run's monitor printed it
+            assert monitor.wait_line("MONITOR_ADDRESS", 150).split()[1] == address
+
     try:
-        address = monitor.wait_line("MONITOR_ADDRESS", 150).split()[1]
         for name, value in {"JOIN_REPO_DIR": str(REPO), "JOIN_CONFIG": str(recipe), "JOIN_INITIAL_PEERS": address,
                             "JOIN_MAX_STEPS": str(STEPS) if stop == "max_steps" else "0", "JOIN_PRINT_EVERY": "1",
                             "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}.items():
             monkeypatch.setenv(name, value)  # the kernel inherits this process's environment
         notebook = nbformat.read(NOTEBOOK, as_version=4)
+        join_cell = next(index for index, cell in enumerate(notebook.cells)
+                         if cell.cell_type == "code" and "split_peer_list(INITIAL_PEERS)" in cell.source)
         client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
-                                         resources={"metadata": {"path": str(tmp_path)}})
+                                         resources={"metadata": {"path": str(tmp_path)}},
+                                         on_cell_start=wait_for_the_monitor_before_the_join)
         if stop == "interrupt":
             interrupt_when(client, notebook, f"step {STEPS}:", timeout=400)
         client.execute()

@@ -16,11 +16,13 @@ import yaml
 from PIL import Image
 
 from lightning_swarm.checkpoint.checkpoint_io import read_checkpoint
+from join_later import write_initial_peers
 from processes import Proc, free_port, wait_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+JOIN_LATER = os.path.join(REPO, "tests", "join_later.py")
 PROMPTS = ["a big red circle", "a blue cross above a green square"]
 
 
@@ -77,16 +79,19 @@ def test_swarm_monitor_dashboard_and_sampling_from_the_uploaded_url(tmp_path, ti
                    str(tmp_path / "monitor.log"), env, str(tmp_path))
     procs, browser = [monitor], None
     try:
-        address = monitor.wait_line("MONITOR_ADDRESS", 180).split()[1]
-        url = monitor.wait_line("DASHBOARD", 30).split()[1]
+        # the trainers' processes start with the monitor and import while it starts (tests/join_later.py); each
+        # runs `python -m recipes.dalle fit ... --trainer.strategy.init_args.initial_peers '[<the monitor>]'` once
+        # the monitor printed its address
         for name, seed in (("a", 1), ("b", 2)):
-            procs.append(Proc([sys.executable, "-m", "recipes.dalle", "fit", "--config", "cfg.yaml",
-                               "--trainer.strategy.init_args.initial_peers", json.dumps([address]),
+            procs.append(Proc([sys.executable, JOIN_LATER, str(tmp_path / "monitor_address.json"),
+                               "-m", "recipes.dalle", "fit", "--config", "cfg.yaml",
                                "--trainer.default_root_dir", f"run_{name}", "--data.init_args.seed", str(seed),
                                "--data.init_args.data_dir", f"data_{name}"],
                               str(tmp_path / f"trainer_{name}.log"), env, str(tmp_path)))
-
         browser = start_browser(str(tmp_path / "chromium-profile"))
+        address = monitor.wait_line("MONITOR_ADDRESS", 180).split()[1]
+        write_initial_peers(tmp_path / "monitor_address.json", [address])
+        url = monitor.wait_line("DASHBOARD", 30).split()[1]
         browser.get(url)
         text = lambda element_id: browser.find_element("id", element_id).text  # noqa: E731
 

@@ -1,5 +1,16 @@
 import pytest
 
+from fuzz_harnesses import HARNESSES, run_harnesses
+
+# the test that checks each fuzz harness's outcome (fuzz_harnesses.py): the shared child runs the collected ones
+FUZZ_TESTS = {
+    "decoders": "test_decoder_fuzz.py::",
+    "checkpoint_meta": "test_checkpoint_trust.py::test_fuzzed_checkpoint_meta_never_runs_code_or_crashes",
+    "metric_records": "test_monitor_records.py::test_fuzzed_metric_records_never_crash_the_decoder",
+    "auth": "test_auth_fuzz.py::test_auth_parsers_survive_mutated_inputs",
+}
+FUZZ_TIMEOUT = 280  # seconds for the child (~25 s of CPU); the tests' pytest timeouts are above it
+
 
 @pytest.fixture
 def peers():
@@ -8,3 +19,14 @@ def peers():
     yield started
     for peer in started:
         peer.kill()
+
+
+@pytest.fixture(scope="session")
+def fuzz_harness_output(request):
+    """The fuzz harnesses whose tests this session collected, run in one child process (fuzz_harnesses.py) when the
+    first of those tests starts: ({harness: (status, stdout)}, the child's return code, its stderr's tail)."""
+    collected = [item.nodeid for item in request.session.items]
+    names = [name for name, test in FUZZ_TESTS.items() if any(test in nodeid for nodeid in collected)]
+    assert set(FUZZ_TESTS) == set(HARNESSES)
+    return run_harnesses(names or list(HARNESSES), timeout=FUZZ_TIMEOUT)
+

@@ -66,16 +66,16 @@ def run_leaver_scenario(root: Path, rounds_before: int = 3, rounds_after: int = 
     recorder = {"stop_at_epoch": 100_000, "max_seconds": 600, "record_params": False}
     with shaped_network(["poor", "poor", "poor"]) as net:
         try:
-            joins: List[str] = []
+            # all three processes start at once (b and the victim import while a starts), then join one by one
             for index, name in enumerate(["a", "b", "victim"]):
-                peer = Peer(root, name, dict(strategy, host_maddrs=net.host_maddrs(index)), model=model,
-                            data={"batch_size": 4}, recorder=recorder, command_prefix=net.command(index, []),
-                            join_later=index > 0)
-                peers.append(peer)
-                if index:
-                    peer.join(joins)
-                joins = joins + peer.join_peers(timeout=240)
+                peers.append(Peer(root, name, dict(strategy, host_maddrs=net.host_maddrs(index)), model=model,
+                                  data={"batch_size": 4}, recorder=recorder, command_prefix=net.command(index, []),
+                                  join_later=index > 0))
             a, b, victim = peers
+            joins: List[str] = a.join_peers(timeout=240)
+            for peer in (b, victim):
+                peer.join(joins)
+                joins = joins + peer.join_peers(timeout=240)
 
             def with_three(peer: Peer) -> int:
                 return peer.log().count("Averaged gradients with 3 peers")

@@ -52,17 +52,22 @@ def write_overlay(out_dir: Path, strategy: dict, recorder: dict, data: dict, mod
 
 class RecipePeer:
     """`python -m recipes.dalle fit` inside peer `index`'s namespace of `net` (1 torch thread), its log and recorded
-    events in `out_dir`; `overlay`: the second --config (write_overlay)."""
+    events in `out_dir`; `overlay`: the second --config (write_overlay).
 
-    def __init__(self, net, index: int, out_dir: Path, overlay: Path):
+    join_later: start the process now through tests/join_later.py, which imports while it waits for this file (the
+        peers to join, written by ``join_later.write_initial_peers``) and then runs the same command line with
+        ``--trainer.strategy.init_args.initial_peers``: its imports overlap the start of the peer it joins."""
+
+    def __init__(self, net, index: int, out_dir: Path, overlay: Path, join_later: Optional[Path] = None):
         self.out_dir = out_dir
         self.log_path = out_dir / "log.txt"
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), str(REPO)]),
                    PEER_TORCH_THREADS="1", OMP_NUM_THREADS="1")
         env.pop("LIGHTNING_SWARM_INITIAL_PEERS", None)
         self._log = open(self.log_path, "w")
-        argv = [sys.executable, "-m", "recipes.dalle", "fit", "--config", str(REPO / "configs/dalle_tiny.yaml"),
-                "--config", str(overlay)]
+        waiting = [str(REPO / "tests" / "join_later.py"), str(join_later)] if join_later else []
+        argv = [sys.executable, *waiting, "-m", "recipes.dalle", "fit", "--config",
+                str(REPO / "configs/dalle_tiny.yaml"), "--config", str(overlay)]
         self.process = subprocess.Popen(net.command(index, argv), stdout=self._log, stderr=subprocess.STDOUT,
                                         env=env, cwd=REPO, start_new_session=True)
 
@@ -83,6 +88,16 @@ class RecipePeer:
             assert self.process.poll() is None, self.log()[-4000:]
             time.sleep(0.5)
         raise TimeoutError(self.log()[-4000:])
+
+    def wait_for(self, condition, timeout: float, what: str) -> None:
+        """Wait until ``condition()`` holds; fails if the peer exits first or ``timeout`` seconds pass (``what``:
+        what it waited for, in the error)."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert self.process.poll() is None, self.log()[-4000:]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {what} after {timeout} s:\n{self.log()[-4000:]}")
+            time.sleep(0.2)
 
     def wait(self, timeout: float) -> None:
         try:

@@ -1,20 +1,13 @@
 """The authority's request parser, the client's answer parser, the join-proof check and the proof of a state-download
-request, fuzzed in a child process
-(tests/benchmarks/fuzz_auth.py, fixed seed, bounded): no crash, no exception but the documented refusal, fixed
-messages only."""
-
-import subprocess
-import sys
-from pathlib import Path
+request, fuzzed in a child process (tests/benchmarks/fuzz_auth.py, fixed seed, bounded; the suite's fuzz harnesses
+share one child: fuzz_harnesses.py): no crash, no exception but the documented refusal, fixed messages only."""
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "fuzz_auth.py"
+from fuzz_harnesses import AUTH_CASES as CASES, harness_output
 
 
-@pytest.mark.timeout(240)
-def test_auth_parsers_survive_mutated_inputs():
-    result = subprocess.run([sys.executable, str(SCRIPT), "--cases", "1000", "--seed", "0"], capture_output=True,
-                            text=True, timeout=200)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]  # a signal death is negative
-    assert "FUZZ OK requests=1000 answers=1000 proofs=1000 downloads=1000" in result.stdout
+@pytest.mark.timeout(320)
+def test_auth_parsers_survive_mutated_inputs(fuzz_harness_output):
+    output = harness_output(fuzz_harness_output, "auth")  # fails on a signal death or an exception in the harness
+    assert f"FUZZ OK requests={CASES} answers={CASES} proofs={CASES} downloads={CASES}" in output, output[-3000:]

@@ -3,7 +3,6 @@ its init args, refuses an edited meta.json, and (given the run's authority key) 
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -11,6 +10,7 @@ import pytest
 from hivemind.utils.crypto import RSAPrivateKey
 
 from ckpt_tiny_module import TinyRegressor
+from fuzz_harnesses import CHECKPOINT_META_CASES, harness_output
 from lightning_swarm.checkpoint.checkpoint_io import CheckpointIntegrityError, read_checkpoint, save_checkpoint
 from lightning_swarm.checkpoint.model_spec import ModelNotAllowedError, build_model
 from lightning_swarm.checkpoint.saver import CheckpointSaver
@@ -209,16 +209,13 @@ def test_init_args_that_build_another_model_than_the_weights_are_refused_before_
     assert read_checkpoint(path).build_model(allowed_model_packages=["ckpt_tiny_module"]).embed.weight.shape == (16, 8)
 
 
-def test_fuzzed_checkpoint_meta_never_runs_code_or_crashes():
+@pytest.mark.timeout(320)
+def test_fuzzed_checkpoint_meta_never_runs_code_or_crashes(fuzz_harness_output):
     """600 mutated checkpoints (resealed meta.json edits: class paths, init args with class specs and hostile sizes,
     files records, format fields; bytes damaged in meta.json or seal.json) read and rebuilt in a child process with a
-    fixed seed: each ends in a model or a ValueError, and the module whose import writes a marker is never imported."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(here)),
-                                                       os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, os.path.join(here, "fuzz_checkpoint_meta.py"), "--seed", "0",
-                           "--count", "600"], capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]  # a negative code would be a signal death
-    counts = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert counts["cases"] == 600 and counts["unexpected"] == 0, counts["first_unexpected"]
+    fixed seed (fuzz_checkpoint_meta.py, in the child the suite's fuzz harnesses share: fuzz_harnesses.py): each
+    ends in a model or a ValueError, and the module whose import writes a marker is never imported."""
+    output = harness_output(fuzz_harness_output, "checkpoint_meta")  # fails on a signal death or an exception
+    counts = json.loads(output.strip().splitlines()[-1])
+    assert counts["cases"] == CHECKPOINT_META_CASES and counts["unexpected"] == 0, counts["first_unexpected"]
     assert counts["built"] > 10 and counts["refused"] > 300

@@ -3,22 +3,17 @@ once), the figures stay finite whatever the records say, /api/state is valid JSO
 dashboard listens on 127.0.0.1 unless told otherwise, and a fuzzer of the decoder runs in a child process."""
 
 import json
-import os
-import subprocess
-import sys
 import urllib.request
 
 import hivemind
 import pytest
 from hivemind.utils import get_dht_time
 
+from fuzz_harnesses import METRIC_RECORDS, harness_output
 from lightning_swarm.metrics import LocalMetrics, metrics_key
 from lightning_swarm.monitor.aggregate import ContributionTable, RecordScreen, aggregate
 from lightning_swarm.monitor.dashboard import DashboardServer, DashboardState
 from lightning_swarm.monitor.records import MalformedRecord, MetricsDecoder, decode_metrics_record, fetch_metric_records
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
 
 
 def record_dict(loss=1.0, step=3, t=1000.0):
@@ -97,12 +92,11 @@ def test_malformed_records_from_a_real_dht_are_ignored_per_peer_and_logged_once(
         dht.shutdown()
 
 
-def test_fuzzed_metric_records_never_crash_the_decoder():
+@pytest.mark.timeout(320)
+def test_fuzzed_metric_records_never_crash_the_decoder(fuzz_harness_output):
     """3000 mutated records (structured edits: edge values 0, -1, huge, NaN, wrong types, missing and unknown fields;
-    msgpack bytes truncated, extended, flipped) decoded in a child process with a fixed seed."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "fuzz_metric_records.py"), "--seed", "0",
-                           "--count", "3000"], capture_output=True, text=True, timeout=180, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]  # a negative code would be a signal death
-    counts = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert counts["inputs"] == 3000 and counts["refused"] > 500 and counts["accepted"] > 500
+    msgpack bytes truncated, extended, flipped) decoded in a child process with a fixed seed (fuzz_metric_records.py,
+    in the child the suite's fuzz harnesses share: fuzz_harnesses.py)."""
+    output = harness_output(fuzz_harness_output, "metric_records")  # fails on a signal death or an exception
+    counts = json.loads(output.strip().splitlines()[-1])
+    assert counts["inputs"] == METRIC_RECORDS and counts["refused"] > 500 and counts["accepted"] > 500

@@ -12,6 +12,7 @@ import pytest
 from safetensors.torch import load_file
 
 import recipe_peers
+from join_later import write_initial_peers
 from round_log import complete_steps, round_lines
 from netns_harness import network_harness_available, shaped_network
 
@@ -86,12 +87,17 @@ def test_two_recipe_peers_train_together_over_shaped_links(tmp_path, link):
                                                                 net.host_maddrs(0), model=model,
                                                                 strategy_overrides=STATE_ROUNDS[link]))
             peers.append(first)
+            # the second process starts now and imports while the first starts (tests/join_later.py); it joins once
+            # the first is at its first step (its barrier file): its state is offered by then, as a newcomer finds it
+            second = RecipePeer(net, 1, dirs[1], recipe_overlay(dirs[1], tmp_path / "data", barrier,
+                                                                 net.host_maddrs(1), model=model,
+                                                                 strategy_overrides=STATE_ROUNDS[link]),
+                                join_later=tmp_path / "join.json")
+            peers.append(second)
             join = first.join_peers(timeout=180)
             assert all(net.addresses[0] in address for address in join), join  # reachable on its link only
-            second = RecipePeer(net, 1, dirs[1], recipe_overlay(dirs[1], tmp_path / "data", barrier,
-                                                                 net.host_maddrs(1), initial_peers=join, model=model,
-                                                                 strategy_overrides=STATE_ROUNDS[link]))
-            peers.append(second)
+            first.wait_for(lambda: barrier.is_dir() and any(barrier.iterdir()), 180, "its first step")
+            write_initial_peers(tmp_path / "join.json", join)
             for peer in peers:
                 peer.wait(timeout=480)
         finally:
