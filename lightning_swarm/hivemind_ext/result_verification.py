@@ -84,6 +84,8 @@ def parse_verification_message(message: averaging_pb2.AveragingData, group_id: b
     if message.weight != float(phase):
         raise MalformedMessage(f"a message of phase {message.weight!r} where phase {phase} was expected")
     if phase in (PHASE_COMMIT, PHASE_NONCE):
+        if phase == PHASE_COMMIT and len(message.peer_id) == 0:
+            raise MalformedMessage("no commitment: it saw a member fail during the round and skips the check")
         if len(message.peer_id) != NONCE_BYTES:
             raise MalformedMessage(f"{len(message.peer_id)} bytes of commitment or nonce, not {NONCE_BYTES}")
         return bytes(message.peer_id)
@@ -288,15 +290,19 @@ class ReportMailbox:
                 log.warning("[lightning_swarm] averaging: reducer results are not checked in groups with 2 or more "
                             "client-mode members (they accept no connection, so they can't get each other's reports)")
             return set()
+        callees = [peer for peer in others if modes[peer] != AveragingMode.CLIENT]
+        mailbox = self._mailboxes[group_id]
         failed = _failed_members(runner, others)
         if failed:
             # a member that sent no part by next_chunk_timeout or reduced nothing (it died, most often) sends no
-            # commitment either: say so now instead of waiting verification_timeout for it
+            # commitment either: say so now instead of waiting verification_timeout for it, and tell the others
+            # with an empty commitment (they end the exchange at once too, instead of waiting for this peer's)
             log.warning(f"[lightning_swarm] averaging: no verification this round ({failed} failed during the "
                         f"round): the other members' slices are not applied")
+            skip = averaging_pb2.AveragingData(group_id=group_id, weight=float(PHASE_COMMIT), peer_id=b"")
+            mailbox.post(PHASE_COMMIT, skip)
+            await self._send_all([peer for peer in callees if str(peer) not in failed], skip, mailbox)
             return set(reducers)
-        callees = [peer for peer in others if modes[peer] != AveragingMode.CLIENT]
-        mailbox = self._mailboxes[group_id]
         timeout = self.verification_timeout
         nonce = os.urandom(NONCE_BYTES)
         rows = rc.report_length(parts_by_reducer)
