@@ -39,7 +39,7 @@ import hashlib
 import logging
 import os
 import tempfile
-from typing import AsyncIterator, Dict, List, Optional, Sequence, Set, Tuple
+from typing import AsyncIterator, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -119,33 +119,28 @@ class _Mailbox:
         self.own[phase] = message
         self.changed.set()
 
-    async def own_message(self, phase: int, timeout: float) -> Optional[averaging_pb2.AveragingData]:
-        """This peer's message of ``phase``, once it is posted (None after ``timeout`` seconds)."""
+    async def _until(self, ready: Callable[[], bool], timeout: float) -> None:
+        """Return once ``ready()`` holds (checked after each message) or ``timeout`` seconds have passed."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while phase not in self.own:
+        while not ready():
             self.changed.clear()
             left = deadline - loop.time()
             if left <= 0:
-                break
+                return
             try:
                 await asyncio.wait_for(self.changed.wait(), left)
             except asyncio.TimeoutError:
-                break
+                return
+
+    async def own_message(self, phase: int, timeout: float) -> Optional[averaging_pb2.AveragingData]:
+        """This peer's message of ``phase``, once it is posted (None after ``timeout`` seconds)."""
+        await self._until(lambda: phase in self.own, timeout)
         return self.own.get(phase)
 
     async def wait(self, phase: int, senders: Sequence[PeerID], timeout: float) -> Dict[PeerID, averaging_pb2.AveragingData]:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while not all((phase, peer) in self.messages for peer in senders):
-            self.changed.clear()
-            left = deadline - loop.time()
-            if left <= 0:
-                break
-            try:
-                await asyncio.wait_for(self.changed.wait(), left)
-            except asyncio.TimeoutError:
-                break
+        """The messages of ``phase`` from ``senders`` that came within ``timeout`` seconds."""
+        await self._until(lambda: all((phase, peer) in self.messages for peer in senders), timeout)
         return {peer: self.messages[(phase, peer)] for peer in senders if (phase, peer) in self.messages}
 
 
