@@ -66,7 +66,6 @@ Every private name used is listed in :data:`~lightning_swarm.hivemind_ext.privat
     - ``AllReduceRunner.tensor_part_container`` holds the kept results; ``sender_peer_ids`` exchange reports.
     - ``DecentralizedAverager._p2p``: calls the members' ``rpc_reducer_report``; ``ServicerBase._rpc_handlers`` and
       ``ServicerBase._stub_type`` reset for each class with the mixin, so that hivemind collects that handler.
-    - ``AllReduceRunner.banned_senders``: members that failed the round, for whom the exchange does not wait.
 ``gathered_checks`` (a group member's gathered data, checked before hivemind decodes the group's)
     - ``DecentralizedAverager._aggregate_with_group``: extended, a malformed member's blob is replaced by a client's;
       ``serializer`` decodes the blobs as hivemind does.

@@ -185,9 +185,6 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
     + _symbols("hivemind.averaging.averager", "robust_allreduce", [
         ("DecentralizedAverager._run_allreduce_inplace_", "overridden: hivemind's, building a RobustAllReduceRunner"),
     ])
-    + _symbols("hivemind.averaging.allreduce", "result_verification", [
-        ("AllReduceRunner.banned_senders", "senders that failed the round: the reducer check does not wait for them"),
-    ], instance=True)
     + _symbols("hivemind.averaging.partition", "robust_allreduce", [
         ("TensorPartContainer.register_failed_reducer", "extended: a failed reducer's slice can't be checked"),
     ])

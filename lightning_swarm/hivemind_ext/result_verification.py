@@ -139,8 +139,16 @@ class _Mailbox:
         return self.own.get(phase)
 
     async def wait(self, phase: int, senders: Sequence[PeerID], timeout: float) -> Dict[PeerID, averaging_pb2.AveragingData]:
-        """The messages of ``phase`` from ``senders`` that came within ``timeout`` seconds."""
-        await self._until(lambda: all((phase, peer) in self.messages for peer in senders), timeout)
+        """The messages of ``phase`` from ``senders`` that came within ``timeout`` seconds; in the commitment phase,
+        also as soon as one of them is empty (a member that skips the check: the round can't be checked, and
+        waiting for a member that died, which never commits, would cost ``timeout``)."""
+        def ready() -> bool:
+            if phase == PHASE_COMMIT and any(len(self.messages[(phase, peer)].peer_id) == 0 for peer in senders
+                                             if (phase, peer) in self.messages):
+                return True
+            return all((phase, peer) in self.messages for peer in senders)
+
+        await self._until(ready, timeout)
         return {peer: self.messages[(phase, peer)] for peer in senders if (phase, peer) in self.messages}
 
 
@@ -400,10 +408,11 @@ def _member_reports(runner, seed: bytes, reducers: Sequence[int], senders: Seque
 
 
 def _failed_members(runner, others: Sequence[PeerID]) -> List[str]:
-    """The members this peer's all-reduce saw fail: senders banned for sending nothing by ``next_chunk_timeout``,
-    reducers whose results did not come (hivemind's ``banned_senders`` and the container's failed reducers)."""
+    """The members this peer's all-reduce saw fail: reducers whose results did not come by ``next_chunk_timeout``
+    (most often dead). Senders banned for a late part are not among them: they are alive, their parts have no mass
+    in the slice that banned them, and the check runs as usual."""
     peers = list(runner.ordered_peer_ids)
-    failed = set(runner.banned_senders) | {peers[index] for index in runner.tensor_part_container.failed_reducers}
+    failed = {peers[index] for index in runner.tensor_part_container.failed_reducers}
     return sorted(str(peer) for peer in others if peer in failed)
 
 
