@@ -19,7 +19,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-# random sign vectors per part: each costs ~1.3 ns per value on one core (generation and product)
+# random sign vectors per part (their generation: one random byte per value for 8 of them, see sign_vectors)
 PROJECTIONS = 4
 # an honest result is refused with probability at most this (per reducer and round)
 FALSE_ALARM = 1e-9
@@ -102,6 +102,46 @@ def part_seed(seed: bytes, reducer: int, part: int) -> int:
     return int.from_bytes(hashlib.sha256(seed + struct.pack("<qq", reducer, part)).digest()[:8], "little") >> 1
 
 
+def sign_vectors(generator: torch.Generator, width: int, projections: int = PROJECTIONS) -> torch.Tensor:
+    """The next ``width`` values of ``projections`` random sign vectors, a float32 (projections, width) of -1 and +1:
+    one random byte per value serves 8 vectors (bit k of the byte: vector k mod 8; a byte per 8 vectors). The bytes
+    are those of uniform 64-bit words (``randint`` over all but one of the 2**64 values: every bit fair and
+    independent of the others up to 2**-64), so the signs are independent and fair, as with one byte per sign."""
+    bytes_per_value = (projections + 7) // 8
+    words = torch.randint(-2 ** 63, 2 ** 63 - 1, ((bytes_per_value * width + 7) // 8,), dtype=torch.int64,
+                          generator=generator)
+    data = words.view(torch.int8)[:bytes_per_value * width].view(bytes_per_value, width)
+    signs = torch.empty(projections, width, dtype=torch.int8)
+    for group in range(bytes_per_value):
+        rows = min(8, projections - 8 * group)
+        # bit k to the sign bit, then -1 (bit set) or 0, then -1 or +1
+        torch.bitwise_left_shift(data[group][None, :], _SHIFTS[:rows], out=signs[8 * group:8 * group + rows])
+    signs >>= 7
+    signs |= 1
+    return signs.to(torch.float32)
+
+
+_SHIFTS = torch.tensor([[7 - k] for k in range(8)], dtype=torch.int8)
+
+
+def project_vectors(vectors: Sequence[torch.Tensor], seed: int, projections: int = PROJECTIONS) -> np.ndarray:
+    """``<v, z_k>`` of each vector (flat, all of one length) on ``projections`` random sign vectors ``z_k``
+    (:func:`sign_vectors`, seeded), each chunk's float32 products summed in float64: an array (vectors,
+    projections)."""
+    flats = [vector.reshape(-1).to(torch.float32) for vector in vectors]
+    out = np.zeros((len(flats), projections))
+    if not flats:
+        return out
+    generator = torch.Generator().manual_seed(seed)
+    size = flats[0].numel()
+    for first in range(0, size, _CHUNK):
+        width = min(_CHUNK, size - first)
+        signs = sign_vectors(generator, width, projections)
+        for row, flat in enumerate(flats):
+            out[row] += (signs @ flat[first:first + width]).double().numpy()
+    return out
+
+
 def project(vectors: Sequence[Tuple[torch.Tensor, float]], seed: int, projections: int = PROJECTIONS) -> np.ndarray:
     """``sum_v scale_v <v, z_k>`` for ``projections`` random sign vectors ``z_k`` (seeded), in float64; the
     vectors (flat, same length) share the z's."""
@@ -110,27 +150,22 @@ def project(vectors: Sequence[Tuple[torch.Tensor, float]], seed: int, projection
 
 def project_many(sets: Sequence[Sequence[Tuple[torch.Tensor, float]]], seed: int, projections: int = PROJECTIONS,
                  ) -> np.ndarray:
-    """:func:`project` of several sets of vectors (all of one length) on the same sign vectors, generated once:
-    an array (sets, projections)."""
-    generator = torch.Generator().manual_seed(seed)
-    flats = [[(vector.reshape(-1).to(torch.float32), scale) for vector, scale in vectors if scale != 0.0]
-             for vectors in sets]
+    """:func:`project` of several sets of (vector, scale) (all of one length) on the same sign vectors, generated
+    once: an array (sets, projections). The projection is linear: each distinct vector (the same tensor object in
+    several sets counts once) is projected once (:func:`project_vectors`) and the sets' sums are taken in float64."""
+    vectors: List[torch.Tensor] = []
+    index = {}
+    for terms in sets:
+        for vector, scale in terms:
+            if scale != 0.0 and id(vector) not in index:
+                index[id(vector)] = len(vectors)
+                vectors.append(vector)
+    base = project_vectors(vectors, seed, projections)
     out = np.zeros((len(sets), projections))
-    size = next((vectors[0][0].numel() for vectors in sets if vectors), 0)
-    for first in range(0, size, _CHUNK):
-        width = min(_CHUNK, size - first)
-        bits = torch.randint(-2 ** 62, 2 ** 62, ((projections * width + 7) // 8,), dtype=torch.int64,
-                             generator=generator).view(torch.int8)[:projections * width].view(projections, width)
-        if not any(flats):
-            continue
-        signs = (bits >> 7).mul_(2).add_(1).to(torch.float32)  # -1 or +1, each with probability 1/2
-        for row, terms in enumerate(flats):
-            if not terms:
-                continue
-            chunk = terms[0][0][first:first + width] * terms[0][1]
-            for flat, scale in terms[1:]:
-                chunk = chunk.add(flat[first:first + width], alpha=scale)
-            out[row] += (signs @ chunk).double().numpy()
+    for row, terms in enumerate(sets):
+        for vector, scale in terms:
+            if scale != 0.0:
+                out[row] += scale * base[index[id(vector)]]
     return out
 
 
