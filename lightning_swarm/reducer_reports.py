@@ -19,8 +19,9 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-# random sign vectors per part (their generation: one random byte per value for 8 of them, see sign_vectors)
-PROJECTIONS = 4
+from lightning_swarm.reducer_projections import (  # noqa: F401 (re-exported)
+    PROJECTIONS, SignSource, part_seed, project, project_many, project_vectors, sign_vectors)
+
 # an honest result is refused with probability at most this (per reducer and round)
 FALSE_ALARM = 1e-9
 # how the result of a part was made: the weighted mean (nothing bounds a sender's reach), a clipped aggregation
@@ -35,7 +36,6 @@ PROJECTION_ROUNDING = 1e-4
 # slack of a coefficient sum and of the own clip (float64 arithmetic on the reducer, float32 norms on the members)
 SUM_SLACK = 1e-6
 CLIP_SLACK = 1e-3
-_CHUNK = 1 << 16
 
 
 class MalformedReport(ValueError):
@@ -95,78 +95,6 @@ def parse_header(data: bytes) -> ResultHeader:
     if accepted != int(accepted) or not 0 <= accepted <= MAX_SENDERS or mode not in (MODE_MEAN, MODE_CLIPPED, MODE_KEEP):
         raise MalformedReport("a result header with a bad sender count or mode")
     return ResultHeader(coefficient, own, zero, residual, share, int(accepted), int(mode))
-
-
-def part_seed(seed: bytes, reducer: int, part: int) -> int:
-    """The generator seed of one part's random vectors."""
-    return int.from_bytes(hashlib.sha256(seed + struct.pack("<qq", reducer, part)).digest()[:8], "little") >> 1
-
-
-def sign_vectors(generator: torch.Generator, width: int, projections: int = PROJECTIONS) -> torch.Tensor:
-    """The next ``width`` values of ``projections`` random sign vectors, a float32 (projections, width) of -1 and +1:
-    one random byte per value serves 8 vectors (bit k of the byte: vector k mod 8; a byte per 8 vectors). The bytes
-    are those of uniform 64-bit words (``randint`` over all but one of the 2**64 values: every bit fair and
-    independent of the others up to 2**-64), so the signs are independent and fair, as with one byte per sign."""
-    bytes_per_value = (projections + 7) // 8
-    words = torch.randint(-2 ** 63, 2 ** 63 - 1, ((bytes_per_value * width + 7) // 8,), dtype=torch.int64,
-                          generator=generator)
-    data = words.view(torch.int8)[:bytes_per_value * width].view(bytes_per_value, width)
-    signs = torch.empty(projections, width, dtype=torch.int8)
-    for group in range(bytes_per_value):
-        rows = min(8, projections - 8 * group)
-        # bit k to the sign bit, then -1 (bit set) or 0, then -1 or +1
-        torch.bitwise_left_shift(data[group][None, :], _SHIFTS[:rows], out=signs[8 * group:8 * group + rows])
-    signs >>= 7
-    signs |= 1
-    return signs.to(torch.float32)
-
-
-_SHIFTS = torch.tensor([[7 - k] for k in range(8)], dtype=torch.int8)
-
-
-def project_vectors(vectors: Sequence[torch.Tensor], seed: int, projections: int = PROJECTIONS) -> np.ndarray:
-    """``<v, z_k>`` of each vector (flat, all of one length) on ``projections`` random sign vectors ``z_k``
-    (:func:`sign_vectors`, seeded), each chunk's float32 products summed in float64: an array (vectors,
-    projections)."""
-    flats = [vector.reshape(-1).to(torch.float32) for vector in vectors]
-    out = np.zeros((len(flats), projections))
-    if not flats:
-        return out
-    generator = torch.Generator().manual_seed(seed)
-    size = flats[0].numel()
-    for first in range(0, size, _CHUNK):
-        width = min(_CHUNK, size - first)
-        signs = sign_vectors(generator, width, projections)
-        for row, flat in enumerate(flats):
-            out[row] += (signs @ flat[first:first + width]).double().numpy()
-    return out
-
-
-def project(vectors: Sequence[Tuple[torch.Tensor, float]], seed: int, projections: int = PROJECTIONS) -> np.ndarray:
-    """``sum_v scale_v <v, z_k>`` for ``projections`` random sign vectors ``z_k`` (seeded), in float64; the
-    vectors (flat, same length) share the z's."""
-    return project_many([vectors], seed, projections)[0]
-
-
-def project_many(sets: Sequence[Sequence[Tuple[torch.Tensor, float]]], seed: int, projections: int = PROJECTIONS,
-                 ) -> np.ndarray:
-    """:func:`project` of several sets of (vector, scale) (all of one length) on the same sign vectors, generated
-    once: an array (sets, projections). The projection is linear: each distinct vector (the same tensor object in
-    several sets counts once) is projected once (:func:`project_vectors`) and the sets' sums are taken in float64."""
-    vectors: List[torch.Tensor] = []
-    index = {}
-    for terms in sets:
-        for vector, scale in terms:
-            if scale != 0.0 and id(vector) not in index:
-                index[id(vector)] = len(vectors)
-                vectors.append(vector)
-    base = project_vectors(vectors, seed, projections)
-    out = np.zeros((len(sets), projections))
-    for row, terms in enumerate(sets):
-        for vector, scale in terms:
-            if scale != 0.0:
-                out[row] += scale * base[index[id(vector)]]
-    return out
 
 
 @dataclass
@@ -246,7 +174,7 @@ class ReceivedPart:
 
 
 def member_report(seed: bytes, reducer: int, parts: Sequence[ReceivedPart], members: int,
-                  projections: int = PROJECTIONS) -> SliceReport:
+                  projections: int = PROJECTIONS, first: int = 0, signs: Optional[SignSource] = None) -> SliceReport:
     """A member's report on one reducer's slice: its residual ``b_j (x_j - v) = -b_j delta`` plus its share
     ``1 / members`` of the virtual part's ``c0 (0 - v)`` (``v = local + delta``), projected on the part's random
     vectors (:func:`part_seed`), summed over the parts; the error bound of those projections (the codecs' rounding,
@@ -258,6 +186,8 @@ def member_report(seed: bytes, reducer: int, parts: Sequence[ReceivedPart], memb
         reducer: the reducer's index in the group.
         parts: each part of the slice, in order.
         members: the senders other than the reducer (each takes ``1 / members`` of the virtual part).
+        first: the part index of ``parts[0]`` in the slice (a report on some parts: :func:`merge_reports`).
+        signs: where the sign vectors come from (shared with other slices' parts of the same index).
     """
     total = np.zeros(projections)
     error2 = 0.0
@@ -267,7 +197,7 @@ def member_report(seed: bytes, reducer: int, parts: Sequence[ReceivedPart], memb
         vectors = [(part.delta, -b)]
         if share_zero > 0:
             vectors += [(part.local, -share_zero), (part.delta, -share_zero)]
-        total += project(vectors, part_seed(seed, reducer, index), projections)
+        total += project(vectors, part_seed(seed, first + index), projections, signs)
         delta_norm = float(part.delta.float().norm())
         local_norm = float(part.local.float().norm())
         error = (b * part.delta_rounding + share_zero * (part.delta_rounding + part.local_rounding)
@@ -345,7 +275,8 @@ def decode_claims(values: np.ndarray, parts: int, senders: int, projections: int
 
 
 def reducer_claims(seed: bytes, reducer: int, parts: Sequence[ReducedPart], members: int, own: Optional[int],
-                   projections: int = PROJECTIONS) -> Optional[ReducerClaims]:
+                   projections: int = PROJECTIONS, first: int = 0, signs: Optional[SignSource] = None,
+                   ) -> Optional[ReducerClaims]:
     """A reducer's claims on its own slice: for each other sender j, the projections of ``b_j (x_j - v)`` plus
     ``1 / members`` of ``c0 (0 - v)`` (as :func:`member_report`, on the same vectors), summed over the parts, with
     ``x_j`` the part it decoded, and their float32 rounding bound; each part's b_j and |x_j - v|; the digest of the
@@ -357,6 +288,7 @@ def reducer_claims(seed: bytes, reducer: int, parts: Sequence[ReducedPart], memb
         parts: each part of the slice, in order (:class:`ReducedPart`).
         members: the senders other than the reducer (each takes ``1 / members`` of the virtual part).
         own: the reducer's own sender index (None: it sends nothing); its row stays zeros.
+        first, signs: as :func:`member_report`.
     """
     if not parts:
         return None
@@ -365,11 +297,8 @@ def reducer_claims(seed: bytes, reducer: int, parts: Sequence[ReducedPart], memb
     out = np.zeros((senders, projections))
     error2 = np.zeros(senders)
     coefficients, distances = np.zeros((senders, len(parts))), np.zeros((senders, len(parts)))
-    headers = []
     for index, part in enumerate(parts):
         statement = part.combination
-        headers.append(ResultHeader(0.0, statement.own, statement.zero, statement.residual, statement.share,
-                                    statement.accepted, statement.mode))
         if any(part.received[s] is None for s in others):
             return None
         for s in others:
@@ -390,5 +319,28 @@ def reducer_claims(seed: bytes, reducer: int, parts: Sequence[ReducedPart], memb
             error = (RESULT_ROUNDING * (float(received.norm()) + result_norm)
                      + PROJECTION_ROUNDING * (b * distance + share_zero * result_norm))
             error2[s] += error ** 2
-        out[others] += project_many(sets, part_seed(seed, reducer, index), projections)
-    return ReducerClaims(header_digest(headers), out, np.sqrt(error2), coefficients, distances)
+        out[others] += project_many(sets, part_seed(seed, first + index), projections, signs)
+    return ReducerClaims(header_digest(claimed_headers(parts)), out, np.sqrt(error2), coefficients, distances)
+
+
+def claimed_headers(parts: Sequence[ReducedPart]) -> List[ResultHeader]:
+    """The common fields of the headers a reducer sent with its parts (the sender's own coefficient as 0)."""
+    return [ResultHeader(0.0, part.combination.own, part.combination.zero, part.combination.residual,
+                         part.combination.share, part.combination.accepted, part.combination.mode) for part in parts]
+
+
+def merge_reports(reports: Sequence[SliceReport], headers: Sequence[ResultHeader]) -> SliceReport:
+    """One report on a slice from reports on its parts one by one (in order; ``headers``: all its parts')."""
+    return SliceReport(True, np.sum([r.projections for r in reports], axis=0),
+                       math.sqrt(sum(r.error ** 2 for r in reports)), header_digest(headers),
+                       np.concatenate([r.coefficients for r in reports]), np.concatenate([r.distances for r in reports]))
+
+
+def merge_claims(claims: Sequence[Optional[ReducerClaims]], parts: Sequence[ReducedPart]) -> Optional[ReducerClaims]:
+    """One claims block on a slice from claims on its parts one by one (in order); None if one of them is None."""
+    if not claims or any(c is None for c in claims):
+        return None
+    return ReducerClaims(header_digest(claimed_headers(parts)), np.sum([c.projections for c in claims], axis=0),
+                         np.sqrt(np.sum([c.errors ** 2 for c in claims], axis=0)),
+                         np.concatenate([c.coefficients for c in claims], axis=1),
+                         np.concatenate([c.distances for c in claims], axis=1))
