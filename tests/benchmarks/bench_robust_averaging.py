@@ -5,7 +5,9 @@
    all-reduce, our screened weighted mean (aggregation="mean"), CenteredClip (aggregation="centered_clip") and
    CenteredClip with its alignment screen (centered_clip_min_alignment=0.5, "centered_clip+align"), in interleaved
    repeats. Timed from the moment the group is formed (matchmaking excluded) to the peer's last update; a round's
-   time is its slowest peer's.
+   time is its slowest peer's. A round that fails for a peer (its step raised, e.g. no group of 3 within
+   STEP_TIMEOUT) is counted and left out of the medians, and a group whose peer gives no result by its deadline is
+   killed (BENCH_PEER_LOG=path keeps the peers' logs: hivemind's "retrying" lines show a round one peer redid).
 2. part: the arithmetic alone, in this process with 1 torch thread: screening + weighted mean, screening +
    CenteredClip, and CenteredClip with the alignment screen (honest senders, and one negated) of one all-reduce part
    (3 senders x 524,288 float32 values, the part size of a 25M-parameter round with the 8-bit codec), median of 30
