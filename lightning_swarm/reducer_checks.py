@@ -41,8 +41,8 @@ from lightning_swarm.reducer_reports import (  # noqa: F401 (re-exported: the la
     CLIP_SLACK, FALSE_ALARM, HEADER_BYTES, HEADER_FIELDS, MAX_SENDERS, MODE_CLIPPED, MODE_KEEP, MODE_MEAN,
     PROJECTION_ROUNDING, PROJECTIONS, RESULT_ROUNDING, SUM_SLACK, Combination, MalformedReport, ReceivedPart,
     ReducedPart, ReducerClaims, ResultHeader, SliceReport, claims_length, decode_claims, decode_report, encode_claims,
-    encode_header, encode_report, header_digest, member_report, parse_header, part_seed, project, project_many,
-    reducer_claims, report_length)
+    encode_header, encode_report, header_digest, member_report, merge_claims, merge_reports, parse_header, part_seed,
+    project, project_many, reducer_claims, report_length, SignSource)
 
 def chernoff_limit(projections: int = PROJECTIONS, false_alarm: float = FALSE_ALARM) -> float:
     """``U`` such that ``P(sum_k t_k^2 > U B^2) <= false_alarm`` for ``projections`` independent projections

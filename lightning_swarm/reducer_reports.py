@@ -19,8 +19,9 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-# random sign vectors per part: each costs ~1.3 ns per value on one core (generation and product)
-PROJECTIONS = 4
+from lightning_swarm.reducer_projections import (  # noqa: F401 (re-exported)
+    PROJECTIONS, SignSource, part_seed, project, project_many, project_vectors, sign_vectors)
+
 # an honest result is refused with probability at most this (per reducer and round)
 FALSE_ALARM = 1e-9
 # how the result of a part was made: the weighted mean (nothing bounds a sender's reach), a clipped aggregation
@@ -35,7 +36,6 @@ PROJECTION_ROUNDING = 1e-4
 # slack of a coefficient sum and of the own clip (float64 arithmetic on the reducer, float32 norms on the members)
 SUM_SLACK = 1e-6
 CLIP_SLACK = 1e-3
-_CHUNK = 1 << 16
 
 
 class MalformedReport(ValueError):
@@ -95,43 +95,6 @@ def parse_header(data: bytes) -> ResultHeader:
     if accepted != int(accepted) or not 0 <= accepted <= MAX_SENDERS or mode not in (MODE_MEAN, MODE_CLIPPED, MODE_KEEP):
         raise MalformedReport("a result header with a bad sender count or mode")
     return ResultHeader(coefficient, own, zero, residual, share, int(accepted), int(mode))
-
-
-def part_seed(seed: bytes, reducer: int, part: int) -> int:
-    """The generator seed of one part's random vectors."""
-    return int.from_bytes(hashlib.sha256(seed + struct.pack("<qq", reducer, part)).digest()[:8], "little") >> 1
-
-
-def project(vectors: Sequence[Tuple[torch.Tensor, float]], seed: int, projections: int = PROJECTIONS) -> np.ndarray:
-    """``sum_v scale_v <v, z_k>`` for ``projections`` random sign vectors ``z_k`` (seeded), in float64; the
-    vectors (flat, same length) share the z's."""
-    return project_many([vectors], seed, projections)[0]
-
-
-def project_many(sets: Sequence[Sequence[Tuple[torch.Tensor, float]]], seed: int, projections: int = PROJECTIONS,
-                 ) -> np.ndarray:
-    """:func:`project` of several sets of vectors (all of one length) on the same sign vectors, generated once:
-    an array (sets, projections)."""
-    generator = torch.Generator().manual_seed(seed)
-    flats = [[(vector.reshape(-1).to(torch.float32), scale) for vector, scale in vectors if scale != 0.0]
-             for vectors in sets]
-    out = np.zeros((len(sets), projections))
-    size = next((vectors[0][0].numel() for vectors in sets if vectors), 0)
-    for first in range(0, size, _CHUNK):
-        width = min(_CHUNK, size - first)
-        bits = torch.randint(-2 ** 62, 2 ** 62, ((projections * width + 7) // 8,), dtype=torch.int64,
-                             generator=generator).view(torch.int8)[:projections * width].view(projections, width)
-        if not any(flats):
-            continue
-        signs = (bits >> 7).mul_(2).add_(1).to(torch.float32)  # -1 or +1, each with probability 1/2
-        for row, terms in enumerate(flats):
-            if not terms:
-                continue
-            chunk = terms[0][0][first:first + width] * terms[0][1]
-            for flat, scale in terms[1:]:
-                chunk = chunk.add(flat[first:first + width], alpha=scale)
-            out[row] += (signs @ chunk).double().numpy()
-    return out
 
 
 @dataclass
@@ -211,7 +174,7 @@ class ReceivedPart:
 
 
 def member_report(seed: bytes, reducer: int, parts: Sequence[ReceivedPart], members: int,
-                  projections: int = PROJECTIONS) -> SliceReport:
+                  projections: int = PROJECTIONS, first: int = 0, signs: Optional[SignSource] = None) -> SliceReport:
     """A member's report on one reducer's slice: its residual ``b_j (x_j - v) = -b_j delta`` plus its share
     ``1 / members`` of the virtual part's ``c0 (0 - v)`` (``v = local + delta``), projected on the part's random
     vectors (:func:`part_seed`), summed over the parts; the error bound of those projections (the codecs' rounding,
@@ -223,6 +186,8 @@ def member_report(seed: bytes, reducer: int, parts: Sequence[ReceivedPart], memb
         reducer: the reducer's index in the group.
         parts: each part of the slice, in order.
         members: the senders other than the reducer (each takes ``1 / members`` of the virtual part).
+        first: the part index of ``parts[0]`` in the slice (a report on some parts: :func:`merge_reports`).
+        signs: where the sign vectors come from (shared with other slices' parts of the same index).
     """
     total = np.zeros(projections)
     error2 = 0.0
@@ -232,7 +197,7 @@ def member_report(seed: bytes, reducer: int, parts: Sequence[ReceivedPart], memb
         vectors = [(part.delta, -b)]
         if share_zero > 0:
             vectors += [(part.local, -share_zero), (part.delta, -share_zero)]
-        total += project(vectors, part_seed(seed, reducer, index), projections)
+        total += project(vectors, part_seed(seed, first + index), projections, signs)
         delta_norm = float(part.delta.float().norm())
         local_norm = float(part.local.float().norm())
         error = (b * part.delta_rounding + share_zero * (part.delta_rounding + part.local_rounding)
@@ -310,7 +275,8 @@ def decode_claims(values: np.ndarray, parts: int, senders: int, projections: int
 
 
 def reducer_claims(seed: bytes, reducer: int, parts: Sequence[ReducedPart], members: int, own: Optional[int],
-                   projections: int = PROJECTIONS) -> Optional[ReducerClaims]:
+                   projections: int = PROJECTIONS, first: int = 0, signs: Optional[SignSource] = None,
+                   ) -> Optional[ReducerClaims]:
     """A reducer's claims on its own slice: for each other sender j, the projections of ``b_j (x_j - v)`` plus
     ``1 / members`` of ``c0 (0 - v)`` (as :func:`member_report`, on the same vectors), summed over the parts, with
     ``x_j`` the part it decoded, and their float32 rounding bound; each part's b_j and |x_j - v|; the digest of the
@@ -322,6 +288,7 @@ def reducer_claims(seed: bytes, reducer: int, parts: Sequence[ReducedPart], memb
         parts: each part of the slice, in order (:class:`ReducedPart`).
         members: the senders other than the reducer (each takes ``1 / members`` of the virtual part).
         own: the reducer's own sender index (None: it sends nothing); its row stays zeros.
+        first, signs: as :func:`member_report`.
     """
     if not parts:
         return None
@@ -330,11 +297,8 @@ def reducer_claims(seed: bytes, reducer: int, parts: Sequence[ReducedPart], memb
     out = np.zeros((senders, projections))
     error2 = np.zeros(senders)
     coefficients, distances = np.zeros((senders, len(parts))), np.zeros((senders, len(parts)))
-    headers = []
     for index, part in enumerate(parts):
         statement = part.combination
-        headers.append(ResultHeader(0.0, statement.own, statement.zero, statement.residual, statement.share,
-                                    statement.accepted, statement.mode))
         if any(part.received[s] is None for s in others):
             return None
         for s in others:
@@ -355,5 +319,28 @@ def reducer_claims(seed: bytes, reducer: int, parts: Sequence[ReducedPart], memb
             error = (RESULT_ROUNDING * (float(received.norm()) + result_norm)
                      + PROJECTION_ROUNDING * (b * distance + share_zero * result_norm))
             error2[s] += error ** 2
-        out[others] += project_many(sets, part_seed(seed, reducer, index), projections)
-    return ReducerClaims(header_digest(headers), out, np.sqrt(error2), coefficients, distances)
+        out[others] += project_many(sets, part_seed(seed, first + index), projections, signs)
+    return ReducerClaims(header_digest(claimed_headers(parts)), out, np.sqrt(error2), coefficients, distances)
+
+
+def claimed_headers(parts: Sequence[ReducedPart]) -> List[ResultHeader]:
+    """The common fields of the headers a reducer sent with its parts (the sender's own coefficient as 0)."""
+    return [ResultHeader(0.0, part.combination.own, part.combination.zero, part.combination.residual,
+                         part.combination.share, part.combination.accepted, part.combination.mode) for part in parts]
+
+
+def merge_reports(reports: Sequence[SliceReport], headers: Sequence[ResultHeader]) -> SliceReport:
+    """One report on a slice from reports on its parts one by one (in order; ``headers``: all its parts')."""
+    return SliceReport(True, np.sum([r.projections for r in reports], axis=0),
+                       math.sqrt(sum(r.error ** 2 for r in reports)), header_digest(headers),
+                       np.concatenate([r.coefficients for r in reports]), np.concatenate([r.distances for r in reports]))
+
+
+def merge_claims(claims: Sequence[Optional[ReducerClaims]], parts: Sequence[ReducedPart]) -> Optional[ReducerClaims]:
+    """One claims block on a slice from claims on its parts one by one (in order); None if one of them is None."""
+    if not claims or any(c is None for c in claims):
+        return None
+    return ReducerClaims(header_digest(claimed_headers(parts)), np.sum([c.projections for c in claims], axis=0),
+                         np.sqrt(np.sum([c.errors ** 2 for c in claims], axis=0)),
+                         np.concatenate([c.coefficients for c in claims], axis=1),
+                         np.concatenate([c.distances for c in claims], axis=1))

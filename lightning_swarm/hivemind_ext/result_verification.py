@@ -388,23 +388,33 @@ class ReportMailbox:
 def _member_reports(runner, seed: bytes, reducers: Sequence[int], senders: Sequence[PeerID]
                     ) -> Tuple[Dict[int, rc.SliceReport], Optional[rc.ReducerClaims]]:
     """This member's reports on the slices it can report on (complete, well-formed headers), and its claims on its
-    own slice (None if it reduces nothing or a sender's part is missing)."""
-    reports = {}
+    own slice (None if it reduces nothing or a sender's part is missing): part index by part index, so that each
+    index's sign vectors are generated once for all of them (:class:`lightning_swarm.reducer_checks.SignSource`)."""
     peers = list(runner.ordered_peer_ids)
-    for r in reducers:
-        received = runner.tensor_part_container.received_parts(r)
-        if received is None:
-            continue
-        members = len([peer for peer in senders if peer != peers[r]])
-        reports[r] = rc.member_report(seed, r, received, members)
+    received = {r: runner.tensor_part_container.received_parts(r) for r in reducers}
+    received = {r: parts for r, parts in received.items() if parts is not None}
+    members = {r: len([peer for peer in senders if peer != peers[r]]) for r in received}
     me = peers.index(runner.peer_id)
-    parts = runner.tensor_part_container.num_parts_by_peer[me]
     reducer = runner.tensor_part_reducer
-    if not parts or any(p not in reducer.reduced for p in range(parts)):
-        return reports, None
-    members = len([peer for peer in senders if peer != runner.peer_id])
-    return reports, rc.reducer_claims(seed, me, [reducer.reduced[p] for p in range(parts)], members,
-                                      reducer.own_sender)
+    own_parts = runner.tensor_part_container.num_parts_by_peer[me]
+    claimed = None
+    if own_parts and all(p in reducer.reduced for p in range(own_parts)):
+        claimed = [reducer.reduced[p] for p in range(own_parts)]
+    own_members = len([peer for peer in senders if peer != runner.peer_id])
+    signs = rc.SignSource()
+    reports: Dict[int, List[rc.SliceReport]] = {r: [] for r in received}
+    claims: List[Optional[rc.ReducerClaims]] = []
+    depth = max([len(parts) for parts in received.values()] + [len(claimed) if claimed else 0])
+    for index in range(depth):
+        for r, parts in received.items():
+            if index < len(parts):
+                reports[r].append(rc.member_report(seed, r, parts[index:index + 1], members[r], first=index,
+                                                   signs=signs))
+        if claimed and index < len(claimed):
+            claims.append(rc.reducer_claims(seed, me, claimed[index:index + 1], own_members, reducer.own_sender,
+                                            first=index, signs=signs))
+    merged = {r: rc.merge_reports(reports[r], [part.header for part in received[r]]) for r in received}
+    return merged, (rc.merge_claims(claims, claimed) if claimed else None)
 
 
 def _failed_members(runner, others: Sequence[PeerID]) -> List[str]:

@@ -6,7 +6,8 @@ A group of ``--peers`` senders averages ``--params`` values; each reduces a slic
 of 2**17 values (uncompressed, the weighted mean). Prints, in one torch thread, the median ``time.process_time`` of
 
 - ``reducer_claims`` on one slice: the projections of the other peers - 1 senders' residuals (what the reducer adds);
-- ``member_report`` on the other peers - 1 reducers' slices (what every member already computes).
+- ``member_report`` on the other peers - 1 reducers' slices (what every member already computes);
+- both, as the members compute them: part index by part index, each index's sign vectors drawn once (SignSource).
 """
 
 from __future__ import annotations
@@ -60,10 +61,20 @@ def main() -> None:
         for reducer in range(1, args.peers):  # this member's reports on the other reducers' slices
             rc.member_report(seed, reducer, received_parts, args.peers - 1)
 
+    def shared():  # as the members compute both: part index by part index, each index's sign vectors drawn once
+        signs = rc.SignSource()
+        for index in range(len(reduced)):
+            for reducer in range(1, args.peers):
+                rc.member_report(seed, reducer, received_parts[index:index + 1], args.peers - 1, first=index,
+                                 signs=signs)
+            rc.reducer_claims(seed, 0, reduced[index:index + 1], args.peers - 1, 0, first=index, signs=signs)
+
     member = cpu_seconds(reports, args.repeat)
+    both = cpu_seconds(shared, args.repeat)
     print(f"{args.params} values, {args.peers} peers: slice of {size} values in {len(sizes)} parts")
     print(f"reducer_claims (its slice, {args.peers - 1} other senders): {claims:.3f} s CPU")
     print(f"member_report ({args.peers - 1} other slices): {member:.3f} s CPU")
+    print(f"both, part index by part index with shared sign vectors (what a member computes): {both:.3f} s CPU")
 
 
 if __name__ == "__main__":

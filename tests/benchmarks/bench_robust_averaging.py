@@ -5,7 +5,9 @@
    all-reduce, our screened weighted mean (aggregation="mean"), CenteredClip (aggregation="centered_clip") and
    CenteredClip with its alignment screen (centered_clip_min_alignment=0.5, "centered_clip+align"), in interleaved
    repeats. Timed from the moment the group is formed (matchmaking excluded) to the peer's last update; a round's
-   time is its slowest peer's.
+   time is its slowest peer's. A round that fails for a peer (its step raised, e.g. no group of 3 within
+   STEP_TIMEOUT) is counted and left out of the medians, and a group whose peer gives no result by its deadline is
+   killed (BENCH_PEER_LOG=path keeps the peers' logs: hivemind's "retrying" lines show a round one peer redid).
 2. part: the arithmetic alone, in this process with 1 torch thread: screening + weighted mean, screening +
    CenteredClip, and CenteredClip with the alignment screen (honest senders, and one negated) of one all-reduce part
    (3 senders x 524,288 float32 values, the part size of a 25M-parameter round with the 8-bit codec), median of 30
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -43,6 +46,7 @@ REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests" / "lightning_swarm"
 NUM_PEERS = 3
 # +align: min_alignment 0.5; +unverified: without the check of the reducers' results (verify_reducers=False)
+STEP_TIMEOUT = 60.0  # seconds a peer's round may take, matchmaking included
 VARIANTS = tuple(os.environ.get("BENCH_VARIANTS", "hivemind,mean,centered_clip,centered_clip+align").split(","))
 
 
@@ -77,22 +81,36 @@ def round_peer(variant: str, initial_peer: str, rounds: int) -> None:
                                     centered_clip_min_alignment=DEFAULT_MIN_ALIGNMENT if "align" in flags else None,
                                     **options)
     times = []
-    for _ in range(rounds):
-        control = averager.step(wait=False, require_trigger=True, timeout=120)
+    for index in range(rounds):
+        control = averager.step(wait=False, require_trigger=True, timeout=STEP_TIMEOUT)
         while control.stage != AveragingStage.AWAITING_TRIGGER and not control.done():
             time.sleep(0.005)
         start = time.perf_counter()
         control.allow_allreduce()
-        control.result()
-        times.append(time.perf_counter() - start)
+        try:
+            control.result()
+            times.append(time.perf_counter() - start)
+        except Exception as e:  # a failed round (most often matchmaking: no group of NUM_PEERS in time) is reported
+            print(f"round {index} failed: {e!r}", file=sys.stderr, flush=True)
+            times.append(None)
     print("RESULT", json.dumps(times), flush=True)
     time.sleep(2)  # let the groupmates finish receiving before this peer leaves
     averager.shutdown()
     dht.shutdown()
 
 
+def _kill_group(process: subprocess.Popen) -> None:
+    """Kill a round peer and what it started (its averager and DHT processes, p2pd: its own session)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    process.wait()
+
+
 def run_round_group(variant: str, rounds: int) -> list:
-    """Start NUM_PEERS round peers of ``variant``; return each round's time (slowest peer)."""
+    """Start NUM_PEERS round peers of ``variant``; return each round's time (slowest peer; None: the round failed
+    for a peer, or a peer gave no result by its deadline: each round's step timeout plus start and shutdown)."""
     command = [sys.executable, __file__, "_round_peer", variant]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     # BENCH_PEER_LOG=path: the peers' stderr appended there (default: discarded)
@@ -105,15 +123,25 @@ def run_round_group(variant: str, rounds: int) -> list:
         others = [subprocess.Popen(command + [maddr, str(rounds)], stdout=subprocess.PIPE, stderr=errors,
                                    text=True, start_new_session=True, env=env) for _ in range(NUM_PEERS - 1)]
         results = []
+        deadline = time.monotonic() + 120 + rounds * (STEP_TIMEOUT + 10)
         for process in [first] + others:
-            output, _ = process.communicate(timeout=600)
-            line = next(line for line in output.splitlines() if line.startswith("RESULT"))
-            results.append(json.loads(line.split(" ", 1)[1]))
-        return [max(times) for times in zip(*results)]
+            try:
+                output, _ = process.communicate(timeout=max(deadline - time.monotonic(), 1.0))
+            except subprocess.TimeoutExpired:
+                print(f"  {variant}: a peer gave no result by its deadline (killed)", flush=True)
+                _kill_group(process)
+                results.append([None] * rounds)
+                continue
+            line = next((line for line in output.splitlines() if line.startswith("RESULT")), None)
+            results.append(json.loads(line.split(" ", 1)[1]) if line else [None] * rounds)
+        rounds_times = [None if None in times else max(times) for times in zip(*results)]
+        if None in rounds_times:
+            print(f"  {variant}: {rounds_times.count(None)} of {rounds} rounds failed (BENCH_PEER_LOG=path keeps "
+                  f"the peers' logs)", flush=True)
+        return rounds_times
     finally:
         for process in [first] + others:
-            if process.poll() is None:
-                process.kill()
+            _kill_group(process)
 
 
 def bench_round() -> None:
@@ -122,13 +150,16 @@ def bench_round() -> None:
     for _ in range(repeats):
         for variant in VARIANTS:  # interleaved, so that a change of machine load hits every variant
             times[variant] += run_round_group(variant, rounds)
+    failed = {variant: values.count(None) for variant, values in times.items()}
+    times = {variant: [t for t in values if t is not None] or [float("nan")] for variant, values in times.items()}
     medians = {variant: statistics.median(values) for variant, values in times.items()}
     print(f"\nall-reduce round, 25M float32 parameters, {NUM_PEERS} peers on 127.0.0.1, 8-bit codec, "
           f"{repeats} x {rounds} rounds each (median; slowest peer of each round)")
     reference = "hivemind" if "hivemind" in medians else VARIANTS[0]
     for variant in VARIANTS:
         print(f"  {variant:>26}: {medians[variant]:.2f} s  (min {min(times[variant]):.2f}, max "
-              f"{max(times[variant]):.2f})  x{medians[variant] / medians[reference]:.2f} of {reference}'s")
+              f"{max(times[variant]):.2f})  x{medians[variant] / medians[reference]:.2f} of {reference}'s"
+              + (f"  ({failed[variant]} of {repeats * rounds} rounds failed)" if failed[variant] else ""))
     for variant in VARIANTS:
         if variant + "+unverified" in medians:
             print(f"  {variant} / {variant}+unverified (the reducer check's cost): "

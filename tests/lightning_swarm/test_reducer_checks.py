@@ -86,7 +86,7 @@ def run_group(parts, weights, reducer: int, aggregation="centered_clip", min_ali
     distances = np.array([rows[j].distances[j] if j in rows else np.zeros(1) for j in range(n)])
     errors = np.array([rows[j].errors[j] if j in rows else 0.0 for j in range(n)])
     if isinstance(claims, tuple):  # ("fit", j): move the claim about j so that the claims sum to -b_R (x_R - v)
-        target = rc.project([(received[reducer] - result, combination.own)], rc.part_seed(SEED, reducer, 0))
+        target = rc.project([(received[reducer] - result, combination.own)], rc.part_seed(SEED, 0))
         projections[claims[1]] -= target + projections.sum(axis=0)
     claimed = rc.ReducerClaims(stated.digest, projections, errors, stated.coefficients, distances)
     reports = []
@@ -176,6 +176,10 @@ def test_a_lie_of_any_direction_beyond_one_clipped_senders_reach_is_refused(opti
     parts = honest_group(n, 5000, 7)
     weights = [1.0] * n
     limit = reach(parts, weights, 0, **options)
+    # member 1 sees a lie told to it alone scaled by its coefficient b_1 (its residual is b_1 (x_1 - v)): a lie
+    # 1 / b_1 times larger moves the claims' sum as far as a lie told to everyone
+    _, combination = run_group(parts, weights, 0, **options)
+    one_member = 1.0 / combination.coefficients[1]
     generator = torch.Generator().manual_seed(3)
     refused = 0
     for trial in range(20):
@@ -192,9 +196,10 @@ def test_a_lie_of_any_direction_beyond_one_clipped_senders_reach_is_refused(opti
         verdicts, _ = run_group(parts, weights, 0, lie=lie, **options)
         refused += all(v.reason is not None and v.blame == rc.BLAME_REDUCER for v in verdicts)
         # a lie told to one member only is refused by every member (the sum of the claims is off)
-        verdicts, _ = run_group(parts, weights, 0, lie=lie, liar_sends_to=[1], **options)
+        verdicts, _ = run_group(parts, weights, 0, lie=lie * one_member, liar_sends_to=[1], **options)
         refused += all(v.reason is not None and v.blame == rc.BLAME_REDUCER for v in verdicts)
-    # 30 times the reach: P(pass) <= P(chi2_4 < 56 / 900) ~ 5e-4 per try (and 0 here with these seeds)
+    # 30 times the reach (as member 1 sees the one-member lie too): P(pass) <= P(chi2_4 < 56 / 900) ~ 5e-4 per try
+    # (and 0 here with these seeds)
     assert refused == 40
 
 
@@ -384,3 +389,47 @@ def test_a_peer_kept_out_by_one_averager_is_kept_out_by_the_others_of_the_same_p
     finally:
         dht.shutdown()
         other.shutdown()
+
+
+def test_reports_and_claims_part_by_part_with_shared_signs_equal_the_whole_slices():
+    """The members compute their reports on every slice and their claims part index by part index, each index's sign
+    vectors generated once (SignSource): the same numbers as each slice's report and claims on their own."""
+    generator = torch.Generator().manual_seed(8)
+    combination = rc.Combination((0.3, 0.3, 0.4), 0.0, 0.4, 0.1, 0.4, 3, rc.MODE_CLIPPED)
+    header = rc.parse_header(rc.encode_header(combination, 1))
+    sizes = {0: [70_000, 70_000, 1_000], 2: [70_000, 5_000]}  # two slices, parts of unequal lengths
+    received = {r: [rc.ReceivedPart(torch.randn(n, generator=generator), torch.randn(n, generator=generator), header,
+                                    0.01, 0.02) for n in lengths] for r, lengths in sizes.items()}
+    reduced = [rc.ReducedPart([torch.randn(n, generator=generator) for _ in range(3)], torch.randn(n, generator=generator),
+                              combination) for n in (70_000, 300)]
+    signs = rc.SignSource()
+    per_part = {r: [] for r in received}
+    claims = []
+    for index in range(3):
+        for r, parts in received.items():
+            if index < len(parts):
+                per_part[r].append(rc.member_report(SEED, r, parts[index:index + 1], 2, first=index, signs=signs))
+        if index < len(reduced):
+            claims.append(rc.reducer_claims(SEED, 1, reduced[index:index + 1], 2, 1, first=index, signs=signs))
+    for r, parts in received.items():
+        whole, merged = rc.member_report(SEED, r, parts, 2), rc.merge_reports(per_part[r], [p.header for p in parts])
+        assert np.allclose(whole.projections, merged.projections, rtol=1e-12, atol=0)
+        assert whole.error == pytest.approx(merged.error, rel=1e-12) and whole.digest == merged.digest
+        assert np.array_equal(whole.coefficients, merged.coefficients)
+        assert np.array_equal(whole.distances, merged.distances)
+    whole, merged = rc.reducer_claims(SEED, 1, reduced, 2, 1), rc.merge_claims(claims, reduced)
+    assert np.allclose(whole.projections, merged.projections, rtol=1e-12, atol=0) and whole.digest == merged.digest
+    assert np.allclose(whole.errors, merged.errors, rtol=1e-12) and np.array_equal(whole.distances, merged.distances)
+    # a slice's parts of one index meet the same sign vectors as another slice's: here two equal deltas
+    assert np.allclose(per_part[0][0].projections / -0.3,
+                       rc.project([(received[0][0].delta, 1.0)], rc.part_seed(SEED, 0)), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("projections", [4, 8, 12])
+def test_sign_vectors_are_fair_independent_signs(projections):
+    signs = rc.SignSource().block(5, projections, 0)
+    assert signs.shape == (projections, 1 << 16) and set(signs.unique().tolist()) == {-1.0, 1.0}
+    # each vector's mean and each pair's correlation within 5 standard deviations (1/256) of 0
+    assert float(signs.mean(dim=1).abs().max()) < 5 / 256
+    correlations = (signs @ signs.T) / signs.shape[1] - torch.eye(projections)
+    assert float(correlations.abs().max()) < 5 / 256
