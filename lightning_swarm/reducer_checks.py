@@ -135,8 +135,10 @@ def rounding_bound(compression: str, values: torch.Tensor, header: Optional[Tupl
     if n == 0:
         return 0.0
     norm = float(flat.norm())
-    if norm == 0.0:
-        return 0.0  # exact zeros (an honest "no change") decode from zeros
+    if norm == 0.0 and compression in ("NONE", "BLOCKWISE_8BIT"):
+        # only there do zeros decode from exact zeros alone (a block's absmax maps to a level of magnitude ~1); a
+        # float16 zero was any value within 2**-25: the formulas below hold for a zero norm too
+        return 0.0
     if compression == "NONE":
         return norm * 2.0 ** -23 if values.dtype == torch.float32 else norm * 2.0 ** -7
     if compression == "FLOAT16":

@@ -205,7 +205,10 @@ def member_report(seed: bytes, reducer: int, parts: Sequence[ReceivedPart], memb
                  + PROJECTION_ROUNDING * (b * delta_norm + share_zero * (local_norm + delta_norm)))
         error2 += error ** 2
         coefficients[index] = b
-        distances[index] = delta_norm + part.delta_rounding
+        # an honest "no change" (MODE_KEEP) is exact zeros, which every codec decodes to zeros: a decoded zero there
+        # is no change (elsewhere a float16 zero may be a true value within 2**-25, which delta_rounding bounds)
+        keep = part.header.mode == MODE_KEEP and delta_norm == 0.0
+        distances[index] = 0.0 if keep else delta_norm + part.delta_rounding
     return SliceReport(True, total, math.sqrt(error2), header_digest([part.header for part in parts]),
                        coefficients, distances)
 

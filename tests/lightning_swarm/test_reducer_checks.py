@@ -161,6 +161,30 @@ def test_lone_refused_and_keep_parts_pass_honestly_and_a_changed_one_is_refused(
     assert all("no sender was accepted" in v.reason and v.blame == rc.BLAME_REDUCER for v in verdicts)
 
 
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("aggregation", ["mean", "centered_clip"])
+def test_a_float16_delta_that_decodes_to_zeros_passes_honestly(aggregation, n):
+    """A state round of n peers whose float16 parameters agree except where the reducer's differ by one subnormal
+    step (2**-24): each member's delta, 1/n of that step, decodes to float16 zeros. That zero is not a zero
+    distance (a value within 2**-25 rounds to it): an honest reducer's claims were refused by every member as "a
+    distance to the result beyond the one it got" (the overlapped 4-peer run of issue 25, on the one slice that held
+    float16 tensors). A change sent where no sender was accepted is still refused."""
+    generator = torch.Generator().manual_seed(0)
+    members = ((torch.rand(4096, generator=generator) - 0.5) / 32).half().float()  # as float16 sends them
+    members[:8] = torch.arange(1, 9) * 2.0 ** -24  # a few float16 subnormals
+    reducer = members.clone()
+    reducer[:8] += 2.0 ** -24
+    parts = [reducer] + [members.clone() for _ in range(n - 1)]
+    delta = (parts[0] - parts[1]) / n
+    assert delta.norm() > 0 and delta.half().float().norm() == 0  # the case: a true change, decoded as zeros
+    verdicts, combination = run_group(parts, [1.0] * n, 0, aggregation=aggregation, codec="fp16")
+    assert reasons(verdicts) == [None] * (n - 1)
+    kept, combination = run_group(parts, [0.0] * n, 0, codec="fp16")
+    assert combination.mode == rc.MODE_KEEP and reasons(kept) == [None] * (n - 1)
+    changed, _ = run_group(parts, [0.0] * n, 0, codec="fp16", lie=torch.full((4096,), 1e-3))
+    assert all("no sender was accepted" in v.reason and v.blame == rc.BLAME_REDUCER for v in changed)
+
+
 def reach(parts, weights, reducer, **options):
     """One clipped sender's reach in this slice: the reducer's weight share times the farthest other sender."""
     _, combination = run_group(parts, weights, reducer, **options)
