@@ -101,8 +101,15 @@ def test_many_peers_follow_one_process_through_churn(tmp_path):
         assert tolerance > 0.1
         median = losses[len(losses) // 2]
         assert abs(median / reference[k] - 1) <= tolerance, (k, losses, reference[k], tolerance)
-    newcomer_losses = [(e["epoch"], e["loss"] / reference[e["epoch"]]) for e in events if e["peer"] == newcomer.name]
-    assert all(abs(ratio - 1) <= 0.1 for _, ratio in newcomer_losses), newcomer_losses
+    # the newcomer trains from the swarm's state: at each epoch its loss is the other peers' (a newcomer stepping from
+    # a state one step old is off by a whole step's contraction, > 20%); against the swarm, not the reference, whose
+    # own distance from the swarm the median check above bounds
+    newcomer_losses = []
+    for event in (e for e in events if e["peer"] == newcomer.name):
+        others = sorted(e["loss"] for e in events if e["epoch"] == event["epoch"] and e["peer"] != newcomer.name)
+        newcomer_losses.append((event["epoch"], event["loss"] / others[len(others) // 2] if others else None))
+    assert newcomer_losses and all(ratio is not None and abs(ratio - 1) <= 0.1 for _, ratio in newcomer_losses), \
+        newcomer_losses
     assert last >= 6 and reference[last] < 0.3 * reference[0]  # it trained
 
 
