@@ -29,5 +29,14 @@ def test_peer_killed_mid_round_costs_its_group_at_most_one_next_chunk_timeout(tm
         assert survivor["killed_round_outcome"].startswith("Averaged gradients with"), (name, summary)
         assert survivor["killed_round_s"] <= survivor["normal_max_s"] + NEXT_CHUNK_TIMEOUT, (name, summary)
         assert survivor["killed_round_s"] < AVERAGING_TIMEOUT, (name, summary)
-        after = [outcome for _, outcome in survivor["after"] if outcome]
-        assert after and all(outcome == "Averaged gradients with 2 peers" for outcome in after), (name, summary)
+        after = [(epoch, outcome) for epoch, outcome in survivor["after"] if outcome]
+        assert after and after[-1][1] == "Averaged gradients with 2 peers", (name, summary)
+        # a round after the kill fails only when the other survivor never began a round of that epoch (it was a step
+        # behind and downloaded the swarm's state instead: in the CI run a was at epoch 7 and b at 6 when the victim
+        # died; a's round for 8 found no group while b loaded state to epoch 9). With both survivors in the epoch's
+        # round, a failure would be the dead peer's cost (its DHT records inviting it into a group it never joins).
+        other_epochs = {other: {epoch for epoch, _ in rest["after"]} | {rest["killed_round_epoch"]}
+                        for other, rest in summary.items() if other != name}
+        for epoch, outcome in after:
+            if outcome != "Averaged gradients with 2 peers":
+                assert all(epoch not in epochs for epochs in other_epochs.values()), (name, epoch, summary)
