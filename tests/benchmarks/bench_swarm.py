@@ -21,7 +21,8 @@
    the overlap options with rounds matched per epoch (now, overlap_max_peers None), the same with one group key for
    all epochs (before), synchronous rounds, and the fallback
    (overlap_max_peers=2); BENCH_OVERLAP_VARIANTS picks some (epoch,before,sync,fallback). Swarm samples/s in the
-   steady state, global epochs and the partial rounds the peers' logs report.
+   steady state, global epochs, the partial rounds the peers' logs report and the reducers kept out by the reducer
+   check; epoch_nocheck and sync_nocheck: epoch and sync with verify_reducers off.
 
 Run: python tests/benchmarks/bench_swarm.py [averaging|throughput|all|peers|overlap]
      BENCH_AVERAGE_STATE_EVERY=4 python tests/benchmarks/bench_swarm.py throughput   (state averaging every 4 epochs)
@@ -169,7 +170,8 @@ def _run_peers(root: Path, specs: list, seconds: float, join: bool, options: Opt
                    metrics_interval=5.0, average_state_every=AVERAGE_STATE_EVERY, verbose=bool(KEEP_DIR))
     overlap.update(options or {})
     if LEADER_POLL_INTERVAL is not None:
-        overlap["averager_opts"] = {"leader_poll_interval": float(LEADER_POLL_INTERVAL)}
+        overlap["averager_opts"] = dict(overlap.get("averager_opts") or {},
+                                        leader_poll_interval=float(LEADER_POLL_INTERVAL))
     recorder = {"stop_at_epoch": 100_000, "max_seconds": seconds, "barrier_dir": str(root / "barrier"),
                 "barrier_count": len(specs), "wait_for_swarm": join, "record_params": False, "warmup_seconds": WARMUP}
     peers = []
@@ -278,11 +280,18 @@ OVERLAP_VARIANTS = [
     ("before", "overlap, one key for all epochs (before)", {"overlap_max_peers": None}, {"PEER_EPOCH_ROUNDS": "0"}, 3),
     ("sync", "synchronous (overlap options off)", SYNCHRONOUS, {}, 1),
     ("fallback", "overlap_max_peers=2 (the fallback)", {"overlap_max_peers": 2}, {}, 3),
+    # without the reducer check (verify_reducers, on by default), whose exclusions split overlapped swarms
+    ("epoch_nocheck", "overlap per epoch, verify_reducers off", {"overlap_max_peers": None, "averager_opts":
+                                                                {"verify_reducers": False}}, {}, 1),
+    ("sync_nocheck", "synchronous, verify_reducers off", dict(SYNCHRONOUS, averager_opts={"verify_reducers": False}),
+     {}, 1),
 ]
 OVERLAP_PEERS = [int(n) for n in os.environ.get("BENCH_OVERLAP_PEERS", "4,2").split(",")]
 OVERLAP_TAGS = os.environ.get("BENCH_OVERLAP_VARIANTS", "epoch,before,sync,fallback").split(",")
 # hivemind's warnings (logged whatever `verbose`) when a round ends without some peer's parts or results
 PARTIAL_ROUND_LINES = ("Reducer: received", "Averaging: received")
+# the reducer check's line when a peer keeps a reducer out of its later groups (result_verification)
+EXCLUSION_LINE = "is kept out of this peer's later groups"
 
 
 def bench_overlap(seconds: float = SECONDS) -> None:
@@ -291,7 +300,7 @@ def bench_overlap(seconds: float = SECONDS) -> None:
     print(f"== overlap: swarms of N peers on 127.0.0.1, the MLP of 'throughput', target_batch_size {TARGET}, "
           f"{seconds:.0f} s per run, steady state from {WARMUP:.0f} s")
     print("   N  variant                                    swarm samples/s  global epochs  partial-round lines"
-          "  load average at start")
+          "  exclusions  load average at start")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(KEEP_DIR or tmp)
         for count in OVERLAP_PEERS:
@@ -312,9 +321,10 @@ def bench_overlap(seconds: float = SECONDS) -> None:
                     os.environ.clear()
                     os.environ.update(saved)
                 partial = sum(line.count(marker) for line in logs for marker in PARTIAL_ROUND_LINES)
+                excluded = sum(line.count(EXCLUSION_LINE) for line in logs)
                 epochs = "-".join(sorted({str(result.epochs) for result in results}, key=int))
                 print(f"  {count:2d}  {name:40s}  {sum(result.steady for result in results):15.1f}  {epochs:>13s}"
-                      f"  {partial:19d}  {load:.1f}", flush=True)
+                      f"  {partial:19d}  {excluded:10d}  {load:.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Rounds matched per epoch, triggered rounds without a group given up (real DHT and averager processes)."""
+"""Rounds matched per epoch (real DHT and averager processes)."""
 
 from __future__ import annotations
 
@@ -54,19 +54,19 @@ def averagers():
         dht.shutdown()
 
 
+# a round that finds no group fails at its own timeout (its search is not cut short)
+LONE_TIMEOUT = 3 * MATCHMAKING_TIME
+
+
 @pytest.mark.slow
 def test_rounds_of_different_epochs_never_share_a_group(averagers):
     """Two peers start rounds at once, one for epoch 5, one for epoch 6, both triggered at once: under hivemind's one
-    key they would average together (1 and 3 into 2). Here neither finds a group, and each round is given up about
-    two matchmaking times after its trigger, not at its 30 s timeout. Then both start a round of epoch 7: it
-    averages."""
-    start = time.monotonic()
-    rounds = [averager.step(gather=epoch, timeout=30.0, wait=False) for averager, epoch in zip(averagers, [5, 6])]
+    key they would average together (1 and 3 into 2). Here neither finds a group: each fails at its timeout with its
+    tensors untouched. Then both start a round of epoch 7: it averages."""
+    rounds = [averager.step(gather=epoch, timeout=LONE_TIMEOUT, wait=False) for averager, epoch in zip(averagers, [5, 6])]
     for control in rounds:
-        with pytest.raises(BaseException):  # cancelled by the bound (CancelledError is a BaseException)
-            control.result(timeout=25)
-    elapsed = time.monotonic() - start
-    assert elapsed < 4 * MATCHMAKING_TIME + 3, f"rounds without a group held for {elapsed:.1f} s"
+        with pytest.raises(BaseException):  # no group by its timeout
+            control.result(timeout=LONE_TIMEOUT + 20)
     for averager, value in zip(averagers, [1.0, 3.0]):
         with averager.get_tensors() as (tensor,):
             assert torch.equal(tensor, torch.full_like(tensor, value)), "rounds of different epochs averaged"
@@ -85,15 +85,15 @@ def test_a_next_epoch_round_cannot_take_a_seat_in_the_current_epochs_group(avera
     gone) and holds its matchmaking; its round of epoch 4 is queued behind it. The second peer's round of epoch 4
     searches meanwhile. Under hivemind's one key it takes a seat in the first peer's epoch-3 round (they average 1
     and 3 into 2 as "epoch 3"), and the first peer's epoch-4 round then searches alone until its timeout. Here the
-    epoch-3 round finds nobody and, once triggered, is given up; the two epoch-4 rounds group together."""
+    epoch-3 round finds nobody and fails at its timeout; the two epoch-4 rounds then group together."""
     first, second = averagers
-    lonely = first.step(gather=3, timeout=40.0, require_trigger=True, wait=False)
+    lonely = first.step(gather=3, timeout=LONE_TIMEOUT, require_trigger=True, wait=False)
     time.sleep(0.5)  # the epoch-3 round holds the first peer's matchmaking
     queued = first.step(gather=4, timeout=40.0, require_trigger=True, wait=False)
     partner = second.step(gather=4, timeout=40.0, require_trigger=True, wait=False)
     lonely.allow_allreduce()  # triggered without a group
     with pytest.raises(BaseException):
-        lonely.result(timeout=30)
+        lonely.result(timeout=LONE_TIMEOUT + 20)
     queued.allow_allreduce()
     partner.allow_allreduce()
     assert len(partner.result(timeout=30)) == 2 and len(queued.result(timeout=30)) == 2
