@@ -12,9 +12,9 @@ SwarmOptimizer changes these things and nothing else:
 - in a swarm, state averaging rounds are pre-scheduled like gradient rounds (hivemind 1.1.12 never does, see
   ``_maybe_schedule_state_averaging``), so their group is ready when the epoch ends;
 - overlapping rounds (the overlap options ``delay_optimizer_step`` / ``delay_grad_averaging`` /
-  ``delay_state_averaging``) no longer fall apart beyond 2 peers: each round is matched with rounds of its own epoch, a
-  triggered round without a group is given up (:mod:`~lightning_swarm.hivemind_ext.epoch_rounds`), and a groupmate's
-  part that arrives before its group is registered waits for it (:mod:`~lightning_swarm.hivemind_ext.round_groups`);
+  ``delay_state_averaging``): each round is matched with rounds of its own epoch
+  (:mod:`~lightning_swarm.hivemind_ext.epoch_rounds`), and a groupmate's part that arrives before its group is
+  registered waits for it (:mod:`~lightning_swarm.hivemind_ext.round_groups`);
   they apply while the swarm has at most ``overlap_max_peers`` peers (default 2; None: any size), synchronous rounds
   beyond;
   docs/swarm-at-scale.md has the measurements;
@@ -61,8 +61,8 @@ from lightning_swarm.hivemind_ext.tracker import ThrottledProgressTracker
 log = logging.getLogger(__name__)
 
 # the largest swarm in which the overlap options were measured not to lose to synchronous rounds: with rounds matched
-# per epoch 4 peers were within the noise of synchronous ones, 8 peers 0.69x with twice the partial rounds
-# (docs/swarm-at-scale.md)
+# per epoch 4 peers were 1.43x synchronous without the reducer check but 0.84x with it (a false exclusion), 8 peers
+# not measured (docs/swarm-at-scale.md)
 DEFAULT_OVERLAP_MAX_PEERS = 2
 OVERLAP_OPTIONS = ("delay_optimizer_step", "delay_grad_averaging", "delay_state_averaging")
 
