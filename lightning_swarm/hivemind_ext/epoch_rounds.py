@@ -11,8 +11,8 @@ its deadline (``averaging_timeout``) while its peer waits for it (docs/swarm-at-
 
 - :class:`RoundEpochs` (averager mixin, in the averager's process): a round looks for its group under a key that
   names its epoch (``<prefix>_e<epoch>.0b<group bits>``), so rounds of different epochs never share a group. A
-  triggered round's search is not cut short (an earlier version gave it up ~2 matchmaking times after its trigger:
-  the peers whose rounds were given up missed the next groups in turn, docs/swarm-at-scale.md).
+  triggered round's search is not cut short: it fails at its own timeout (a reverted earlier version gave it up ~2
+  matchmaking times after its trigger).
 - :class:`RoundEpochSender` (averager base, in the trainer's process): tells the averager's process the epoch of the
   round each ``step`` starts: the ``gather`` of a state round (hivemind gathers the epoch there), or what
   ``round_epoch()`` says (the optimizer sets it for gradient rounds). It must come after hivemind's
