@@ -25,9 +25,15 @@ Every private name used is listed in :data:`~lightning_swarm.hivemind_ext.privat
     - ``GroupKeyManager.update_key_on_not_enough_peers``: overridden (hivemind's is a stub); it sets
       ``GroupKeyManager.group_bits`` and logs ``GroupKeyManager.prefix``.
     - ``Matchmaking.group_key_manager``, ``DecentralizedAverager._matchmaking``: where the key manager's class is
-      switched, as hivemind assigns the matchmaking.
+      switched (to ``epoch_rounds``' in the swarm's averagers), as hivemind assigns the matchmaking.
     - ``Matchmaking.look_for_group``, ``Matchmaking.client_mode``: a client-mode peer's search is wrapped, so that
       one that found no group moves its key too (hivemind only moves declared peers).
+``epoch_rounds`` (overlapping rounds of many peers: each round matched with rounds of its epoch)
+    - ``GroupKeyManager.current_key``: overridden, ``<prefix>_e<epoch>.0b<group bits>`` from ``GroupKeyManager.prefix``,
+      ``GroupKeyManager.group_bits`` and the epoch on ``Matchmaking.step_control`` (the round being matched).
+    - ``DecentralizedAverager._step``: extended, the epoch is put on the round's StepControl.
+    - ``DecentralizedAverager._outer_pipe`` and ``DecentralizedAverager._run_internal``: the trainer's process sends
+      ``_set_round_epoch`` through the pipe, and the averager's process runs the method a message names.
 ``tracker`` (progress published at a bounded rate)
     - ``ProgressTracker._parse_swarm_progress_data`` and ``ProgressTracker._local_public_key``: count our own
       samples from the live progress, not from our possibly older DHT record.

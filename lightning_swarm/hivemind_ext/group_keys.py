@@ -68,7 +68,11 @@ class MovingGroupKeys:
     """Mixin for hivemind averager classes: their matchmaking uses a :class:`MovingGroupKeyManager`.
 
     Put it before any other mixin that intercepts ``_matchmaking`` (it hands the object on to theirs).
+    ``group_key_manager_class`` (class attribute): the key manager's class, MovingGroupKeyManager or a subclass
+    (``epoch_rounds.EpochGroupKeyManager``, whose key reads the round being matched from ``matchmaking``).
     """
+
+    group_key_manager_class = MovingGroupKeyManager
 
     @property
     def _matchmaking(self) -> Matchmaking:
@@ -77,7 +81,8 @@ class MovingGroupKeys:
     @_matchmaking.setter
     def _matchmaking(self, matchmaking: Matchmaking) -> None:
         # the same object (hivemind's Matchmaking keeps it), with the one method changed
-        matchmaking.group_key_manager.__class__ = MovingGroupKeyManager
+        matchmaking.group_key_manager.__class__ = self.group_key_manager_class
+        matchmaking.group_key_manager.matchmaking = matchmaking  # the round being matched: matchmaking.step_control
         if matchmaking.client_mode:
             _move_after_failed_search(matchmaking)
         mro = type(self).__mro__

@@ -11,10 +11,13 @@ SwarmOptimizer changes these things and nothing else:
   search until it cancels the round at the end of the epoch;
 - in a swarm, state averaging rounds are pre-scheduled like gradient rounds (hivemind 1.1.12 never does, see
   ``_maybe_schedule_state_averaging``), so their group is ready when the epoch ends;
-- the overlap options (``delay_optimizer_step`` / ``delay_grad_averaging``, with ``delay_state_averaging``) apply
-  only while the swarm has at most ``overlap_max_peers`` peers (default 2); in a larger swarm rounds are synchronous,
-  and a groupmate's part that arrives before its group is registered waits for it
-  (:mod:`~lightning_swarm.hivemind_ext.round_groups`); docs/swarm-at-scale.md has the measurements;
+- overlapping rounds (the overlap options ``delay_optimizer_step`` / ``delay_grad_averaging`` /
+  ``delay_state_averaging``): each round is matched with rounds of its own epoch
+  (:mod:`~lightning_swarm.hivemind_ext.epoch_rounds`), and a groupmate's part that arrives before its group is
+  registered waits for it (:mod:`~lightning_swarm.hivemind_ext.round_groups`);
+  they apply while the swarm has at most ``overlap_max_peers`` peers (default 2; None: any size), synchronous rounds
+  beyond;
+  docs/swarm-at-scale.md has the measurements;
 - a newcomer's state download is verified, logged and retried, and skips the gradient buffers
   (:mod:`~lightning_swarm.hivemind_ext.state_download`); its retries end when ``stop_waiting()`` says so; a state at
   most ``max_stale_epochs`` behind the swarm's is trained on (:mod:`~lightning_swarm.hivemind_ext.catch_up`);
@@ -41,6 +44,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from lightning_swarm.hivemind_ext.auth_guards import AuthenticatedAveraging, EpochGuard
 from lightning_swarm.hivemind_ext.catch_up import CatchUpAfterDownload, StaleStateMerge
 from lightning_swarm.hivemind_ext.credentials import PeerCredentials
+from lightning_swarm.hivemind_ext.epoch_rounds import RoundEpochs, RoundEpochSender
 from lightning_swarm.hivemind_ext.finite_state import FiniteStateDownload
 from lightning_swarm.hivemind_ext.gathered_checks import CheckedGatheredData
 from lightning_swarm.hivemind_ext.grad_averager import SampleWeightedGradientAverager
@@ -56,7 +60,9 @@ from lightning_swarm.hivemind_ext.tracker import ThrottledProgressTracker
 
 log = logging.getLogger(__name__)
 
-# the largest swarm in which the overlap options were measured to help (docs/swarm-at-scale.md)
+# the largest swarm in which the overlap options were measured not to lose to synchronous rounds: with rounds matched
+# per epoch 4 peers were 1.43x synchronous without the reducer check but 0.84x with it (a false exclusion), 8 peers
+# not measured (docs/swarm-at-scale.md)
 DEFAULT_OVERLAP_MAX_PEERS = 2
 OVERLAP_OPTIONS = ("delay_optimizer_step", "delay_grad_averaging", "delay_state_averaging")
 
@@ -82,9 +88,9 @@ class HivemindRpcNames:
         return hivemind_class._get_handle_name(namespace, method_name)
 
 
-class SwarmGradientAverager(DiesWithParent, HivemindRpcNames, AuthenticatedAveraging, CheckedGatheredData,
+class SwarmGradientAverager(DiesWithParent, HivemindRpcNames, RoundEpochs, AuthenticatedAveraging, CheckedGatheredData,
                             GuardedStateServing, PatientGroupRegistration, MovingGroupKeys, ThrottledLeaderSearch,
-                            ProgressBoundedWeights, SampleWeightedGradientAverager, NoStateDownload):
+                            ProgressBoundedWeights, SampleWeightedGradientAverager, RoundEpochSender, NoStateDownload):
     """Gradient averager of a SwarmOptimizer: mean over samples, throttled leader search (``leader_poll_interval``),
     groupmates' parts wait for their group to be registered (:mod:`~lightning_swarm.hivemind_ext.round_groups`),
     screened all-reduce (``aggregation``, ``centered_clip_tau``, ``centered_clip_iters``,
@@ -97,9 +103,9 @@ class SwarmGradientAverager(DiesWithParent, HivemindRpcNames, AuthenticatedAvera
     (:mod:`~lightning_swarm.hivemind_ext.lifetime`)."""
 
 
-class SwarmStateAverager(DiesWithParent, HivemindRpcNames, AuthenticatedAveraging, CheckedGatheredData,
+class SwarmStateAverager(DiesWithParent, HivemindRpcNames, RoundEpochs, AuthenticatedAveraging, CheckedGatheredData,
                          GuardedStateServing, PatientGroupRegistration, MovingGroupKeys, ThrottledLeaderSearch,
-                         StaleStateMerge, RobustAveraging, TrainingStateAverager, FiniteStateDownload,
+                         StaleStateMerge, RobustAveraging, TrainingStateAverager, RoundEpochSender, FiniteStateDownload,
                          VerifiedStateDownload):
     """State averager of a SwarmOptimizer: hivemind's TrainingStateAverager with a throttled leader search,
     groupmates' parts that wait for their group to be registered (:mod:`~lightning_swarm.hivemind_ext.round_groups`),
@@ -159,6 +165,8 @@ class SwarmOptimizer(CatchUpAfterDownload, hivemind.Optimizer):
         finally:
             if interrupt_handler is not None and signal.getsignal(signal.SIGINT) is not interrupt_handler:
                 signal.signal(signal.SIGINT, interrupt_handler)  # hivemind's averagers set SIG_IGN (module docstring)
+        if isinstance(self.grad_averager, RoundEpochSender):  # its rounds are matched with rounds of their epoch
+            self.grad_averager.round_epoch = self._next_epoch
         self.requested_overlap = {name: getattr(self, name) for name in OVERLAP_OPTIONS}  # as configured
         self.download_abandoned: Optional[str] = None  # why a state download was abandoned (see stop_waiting)
         self.overlapping = True  # whether the requested overlap options are in force
@@ -210,8 +218,7 @@ class SwarmOptimizer(CatchUpAfterDownload, hivemind.Optimizer):
         else:
             log.warning(f"[lightning_swarm] {num_peers} peers in the swarm: averaging synchronously, "
                         f"{', '.join(requested)} off while the swarm has more than overlap_max_peers="
-                        f"{self.overlap_max_peers} peers: overlapped rounds of 4 peers were measured several times "
-                        "slower than synchronous ones (docs/swarm-at-scale.md)")
+                        f"{self.overlap_max_peers} peers")
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
         return GuardedProgressTracker(
@@ -244,6 +251,10 @@ class SwarmOptimizer(CatchUpAfterDownload, hivemind.Optimizer):
             **self.robust_averaging_opts,
             **kwargs,
         )
+
+    def _next_epoch(self) -> int:
+        """The epoch this peer's next global step leads to (as hivemind's ``_update_global_epoch`` computes it)."""
+        return max(self.local_epoch + 1, self.tracker.global_epoch)
 
     @property
     def _alone(self) -> bool:

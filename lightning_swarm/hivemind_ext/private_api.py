@@ -252,6 +252,23 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
     + _symbols("hivemind.averaging.averager", "round_groups", [
         ("DecentralizedAverager._running_groups", "a groupmate's part waits until its group is registered here"),
     ], instance=True)
+    + _symbols("hivemind.averaging.averager", "epoch_rounds", [
+        ("DecentralizedAverager._step", "extended: the round's epoch put on its StepControl"),
+        ("DecentralizedAverager._run_internal", "runs the method a pipe message names: _set_round_epoch is sent so"),
+    ])
+    + _symbols("hivemind.averaging.averager", "epoch_rounds", [
+        ("DecentralizedAverager._outer_pipe", "sends the epoch of the next round to the averager's process"),
+    ], instance=True)
+    + _symbols(_MATCHMAKING, "epoch_rounds", [
+        ("Matchmaking.step_control", "the round being matched, whose epoch names the group key"),
+    ], instance=True)
+    + _symbols("hivemind.averaging.key_manager", "epoch_rounds", [
+        ("GroupKeyManager.current_key", "overridden: the key names the epoch of the round being matched"),
+    ])
+    + _symbols("hivemind.averaging.key_manager", "epoch_rounds", [
+        ("GroupKeyManager.prefix", "the averager's key prefix, to which the epoch is appended"),
+        ("GroupKeyManager.group_bits", "the group bits, kept in the key as hivemind's"),
+    ], instance=True)
     + _symbols("hivemind.averaging.averager", "state_serving", [
         ("DecentralizedAverager.rpc_download_state", "overridden: token holders only, bounded downloads at once"),
         ("DecentralizedAverager.serializer", "decodes the requester's proof as the averagers' join proofs"),

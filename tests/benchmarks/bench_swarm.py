@@ -17,11 +17,12 @@
 3. peers: one swarm of 1, 2, 4 peers (BENCH_PEER_COUNTS) on 127.0.0.1: each peer's samples/s and the CPU its swarm
    work takes (everything but its training thread), per second and per global epoch.
 
-4. overlap: swarms of 4 and 2 peers (the MLP of "throughput"), one after the other, with the overlap options
-   requested and overlap_max_peers at its default 2 (the strategy's choice: synchronous rounds at 4 peers),
-   with the overlap options forced at any size (overlap_max_peers None), forced with hivemind's handling of a part
-   that arrives before its group is registered (the behaviour before docs/swarm-at-scale.md's fix), and off:
-   swarm samples/s in the steady state, global epochs, and the partial rounds the peers' logs report.
+4. overlap: swarms of BENCH_OVERLAP_PEERS peers (default 4 and 2; the MLP of "throughput"), one after the other:
+   the overlap options with rounds matched per epoch (now, overlap_max_peers None), the same with one group key for
+   all epochs (before), synchronous rounds, and the fallback
+   (overlap_max_peers=2); BENCH_OVERLAP_VARIANTS picks some (epoch,before,sync,fallback). Swarm samples/s in the
+   steady state, global epochs, the partial rounds the peers' logs report and the reducers kept out by the reducer
+   check; epoch_nocheck and sync_nocheck: epoch and sync with verify_reducers off.
 
 Run: python tests/benchmarks/bench_swarm.py [averaging|throughput|all|peers|overlap]
      BENCH_AVERAGE_STATE_EVERY=4 python tests/benchmarks/bench_swarm.py throughput   (state averaging every 4 epochs)
@@ -32,6 +33,7 @@ Run: python tests/benchmarks/bench_swarm.py [averaging|throughput|all|peers|over
      BENCH_OVERLAP=0 BENCH_TARGET=8192 BENCH_PEER_COUNTS=4 python tests/benchmarks/bench_swarm.py peers   (synchronous)
      BENCH_TARGET=8192 BENCH_SECONDS=60 BENCH_WARMUP=20 python tests/benchmarks/bench_swarm.py overlap   (the table
                                                                      of docs/swarm-at-scale.md, ~15 min)
+     BENCH_OVERLAP_PEERS=8 BENCH_OVERLAP_VARIANTS=epoch,sync ... overlap   (8 peers, two variants)
      BENCH_PIN=1 python tests/benchmarks/bench_swarm.py throughput   (each peer with all its processes on its own core,
                                                                      like one peer per 1-core machine; alone too)
 The machine is shared (2 cores): run it when nothing else runs, the ratio moves a lot with background load. The host
@@ -168,7 +170,8 @@ def _run_peers(root: Path, specs: list, seconds: float, join: bool, options: Opt
                    metrics_interval=5.0, average_state_every=AVERAGE_STATE_EVERY, verbose=bool(KEEP_DIR))
     overlap.update(options or {})
     if LEADER_POLL_INTERVAL is not None:
-        overlap["averager_opts"] = {"leader_poll_interval": float(LEADER_POLL_INTERVAL)}
+        overlap["averager_opts"] = dict(overlap.get("averager_opts") or {},
+                                        leader_poll_interval=float(LEADER_POLL_INTERVAL))
     recorder = {"stop_at_epoch": 100_000, "max_seconds": seconds, "barrier_dir": str(root / "barrier"),
                 "barrier_count": len(specs), "wait_for_swarm": join, "record_params": False, "warmup_seconds": WARMUP}
     peers = []
@@ -270,44 +273,58 @@ def bench_peers(seconds: float = SECONDS) -> None:
             print(f"  {count:2d}  all   {sum(result.steady for result in results):16.1f}  (swarm samples/s)", flush=True)
 
 
-# mode "overlap": (name, peers, strategy options, environment of the peers)
+# mode "overlap": variants (tag, name, strategy options, environment of the peers, smallest swarm run with)
+SYNCHRONOUS = dict.fromkeys(("delay_optimizer_step", "delay_grad_averaging", "delay_state_averaging"), False)
 OVERLAP_VARIANTS = [
-    ("overlap, overlap_max_peers=2 (default)", 4, {}, {}),
-    ("overlap forced (overlap_max_peers=None)", 4, {"overlap_max_peers": None}, {}),
-    ("overlap forced, hivemind's part handling", 4, {"overlap_max_peers": None}, {"PEER_HIVEMIND_PART_HANDLING": "1"}),
-    ("synchronous (overlap options off)", 4, dict.fromkeys(("delay_optimizer_step", "delay_grad_averaging",
-                                                             "delay_state_averaging"), False), {}),
-    ("overlap, overlap_max_peers=2 (default)", 2, {}, {}),
-    ("synchronous (overlap options off)", 2, dict.fromkeys(("delay_optimizer_step", "delay_grad_averaging",
-                                                             "delay_state_averaging"), False), {}),
+    ("epoch", "overlap, rounds matched per epoch (now)", {"overlap_max_peers": None}, {}, 1),
+    ("before", "overlap, one key for all epochs (before)", {"overlap_max_peers": None}, {"PEER_EPOCH_ROUNDS": "0"}, 3),
+    ("sync", "synchronous (overlap options off)", SYNCHRONOUS, {}, 1),
+    ("fallback", "overlap_max_peers=2 (the fallback)", {"overlap_max_peers": 2}, {}, 3),
+    # without the reducer check (verify_reducers, on by default), whose exclusions split overlapped swarms
+    ("epoch_nocheck", "overlap per epoch, verify_reducers off", {"overlap_max_peers": None, "averager_opts":
+                                                                {"verify_reducers": False}}, {}, 1),
+    ("sync_nocheck", "synchronous, verify_reducers off", dict(SYNCHRONOUS, averager_opts={"verify_reducers": False}),
+     {}, 1),
 ]
+OVERLAP_PEERS = [int(n) for n in os.environ.get("BENCH_OVERLAP_PEERS", "4,2").split(",")]
+OVERLAP_TAGS = os.environ.get("BENCH_OVERLAP_VARIANTS", "epoch,before,sync,fallback").split(",")
 # hivemind's warnings (logged whatever `verbose`) when a round ends without some peer's parts or results
 PARTIAL_ROUND_LINES = ("Reducer: received", "Averaging: received")
+# the reducer check's line when a peer keeps a reducer out of its later groups (result_verification)
+EXCLUSION_LINE = "is kept out of this peer's later groups"
 
 
 def bench_overlap(seconds: float = SECONDS) -> None:
-    """The overlap options in swarms of 4 and 2 peers, see the module docstring (OVERLAP_VARIANTS)."""
+    """The overlap options in swarms of BENCH_OVERLAP_PEERS peers (default 4 and 2), the variants of OVERLAP_VARIANTS
+    named in BENCH_OVERLAP_VARIANTS (all by default; "before" and "fallback" only from 3 peers)."""
     print(f"== overlap: swarms of N peers on 127.0.0.1, the MLP of 'throughput', target_batch_size {TARGET}, "
           f"{seconds:.0f} s per run, steady state from {WARMUP:.0f} s")
-    print("   N  variant                                      swarm samples/s  global epochs  partial-round log lines"
-          "  load average at start")
+    print("   N  variant                                    swarm samples/s  global epochs  partial-round lines"
+          "  exclusions  load average at start")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(KEEP_DIR or tmp)
-        for index, (name, count, options, env) in enumerate(OVERLAP_VARIANTS):
-            load = os.getloadavg()[0]
-            specs = [(f"peer{i}", f"bench_overlap_{index}", 30_000 * i) for i in range(count)]
-            logs = []
-            saved = dict(os.environ)
-            os.environ.update(env)  # the peers inherit it
-            try:
-                results = _run_peers(root / f"variant{index}", specs, seconds, join=True, options=options, logs=logs)
-            finally:
-                os.environ.clear()
-                os.environ.update(saved)
-            partial = sum(line.count(marker) for line in logs for marker in PARTIAL_ROUND_LINES)
-            epochs = "-".join(sorted({str(result.epochs) for result in results}))
-            print(f"  {count:2d}  {name:42s}  {sum(result.steady for result in results):15.1f}  {epochs:>13s}"
-                  f"  {partial:23d}  {load:.1f}", flush=True)
+        for count in OVERLAP_PEERS:
+            for tag, name, options, env, min_peers in OVERLAP_VARIANTS:
+                if tag not in OVERLAP_TAGS or count < min_peers:
+                    continue
+                load = os.getloadavg()[0]
+                specs = [(f"peer{i}", f"bench_overlap_{tag}_{count}", 30_000 * i) for i in range(count)]
+                logs = []
+                saved = dict(os.environ)
+                os.environ.update(env)  # the peers inherit it
+                try:
+                    results = _run_peers(root / f"{tag}_{count}", specs, seconds, join=True, options=options, logs=logs)
+                except RuntimeError as e:  # a peer died (e.g. the OOM killer on a shared machine): the next row
+                    print(f"  {count:2d}  {name:40s}  failed: {str(e).splitlines()[0]}", flush=True)
+                    continue
+                finally:
+                    os.environ.clear()
+                    os.environ.update(saved)
+                partial = sum(line.count(marker) for line in logs for marker in PARTIAL_ROUND_LINES)
+                excluded = sum(line.count(EXCLUSION_LINE) for line in logs)
+                epochs = "-".join(sorted({str(result.epochs) for result in results}, key=int))
+                print(f"  {count:2d}  {name:40s}  {sum(result.steady for result in results):15.1f}  {epochs:>13s}"
+                      f"  {partial:19d}  {excluded:10d}  {load:.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -269,5 +269,8 @@ if __name__ == "__main__":
     if os.environ.get("PEER_HIVEMIND_PART_HANDLING") == "1":  # benchmarks: hivemind's BAD_GROUP_ID race, as before
         from lightning_swarm.hivemind_ext.round_groups import PatientGroupRegistration
         PatientGroupRegistration.wait_for_registration = False
+    if os.environ.get("PEER_EPOCH_ROUNDS") == "0":  # benchmarks: one group key for all epochs, no bound, as before
+        from lightning_swarm.hivemind_ext.epoch_rounds import RoundEpochs
+        RoundEpochs.enabled = False
     wait_for_initial_peers()
     LightningCLI(TinyRegression, RegressionData, save_config_callback=None, seed_everything_default=0)
