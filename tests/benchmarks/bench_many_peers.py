@@ -27,7 +27,7 @@ Variants: base (synchronous rounds, all reachable), overlap (delay_optimizer_ste
 any size: overlap_max_peers null), client50 (every second peer in client mode), churn (a peer, never the first, is
 SIGKILLed with its whole process group every BENCH_CHURN_SECONDS and a new one of the same speed joins), goal
 (client50 + churn: the issue's goal, >= 0.85 of ideal); a suffix "-sync" (e.g. goal-sync) also makes the state
-rounds synchronous (delay_state_averaging False).
+rounds synchronous (delay_state_averaging False); kinds combine with "+" (goal+overlap: the goal with overlap forced).
 BENCH_KEEP_DIR=/tmp/many keeps every peer's config, log and events. BENCH_LINKS=home (or poor, datacenter: profiles
 of tests/lightning_swarm/netns_harness.py; needs root and iproute2) puts each peer in a network namespace behind a
 shaped link of that profile instead of 127.0.0.1.
@@ -71,6 +71,11 @@ PARTIAL = re.compile(r"(Reducer|Averaging): received \d")
 MODEL = dict(num_params=int(MPARAMS * 1e6), num_tensors=4, step_seconds=0.5)
 
 
+def _kinds(variant: str) -> set:
+    """The variant's kinds: "goal+overlap-sync" -> {"goal", "overlap"} (the suffix "-sync" is read apart)."""
+    return set(variant.split("-")[0].split("+"))
+
+
 def strategy_for(num_peers: int, variant: str, ideal: float) -> dict:
     strategy = dict(
         run_id=f"many{num_peers}{variant}", target_batch_size=int(ideal * EPOCH_SECONDS),
@@ -79,14 +84,14 @@ def strategy_for(num_peers: int, variant: str, ideal: float) -> dict:
     )
     if variant.endswith("-sync"):  # state rounds synchronous too (hivemind's default runs them in the background)
         strategy["delay_state_averaging"] = False
-    if variant.startswith("overlap"):
+    if "overlap" in _kinds(variant):
         strategy.update(delay_optimizer_step=True, delay_grad_averaging=True, overlap_max_peers=None)
     return strategy
 
 
 def specs_for(num_peers: int, variant: str) -> list:
     rates = [BASE_RATE * (1 + 9 * i / max(1, num_peers - 1)) for i in range(num_peers)]
-    client = variant.split("-")[0] in ("client50", "goal")
+    client = bool(_kinds(variant) & {"client50", "goal"})
     return [PeerSpec(rate, client_mode=client and i % 2 == 1) for i, rate in enumerate(rates)]
 
 
@@ -111,7 +116,7 @@ def run(num_peers: int, variant: str) -> dict:
     root = Path(KEEP_DIR) / f"{num_peers}-{variant}" if KEEP_DIR else Path(tempfile.mkdtemp(prefix="many_peers_"))
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    churn = variant.split("-")[0] in ("churn", "goal")
+    churn = bool(_kinds(variant) & {"churn", "goal"})
     load = os.getloadavg()[0]
     try:
         links = shaped_network([LINKS] * num_peers) if LINKS else contextlib.nullcontext()
