@@ -78,7 +78,7 @@ def _kinds(variant: str) -> set:
 
 def strategy_for(num_peers: int, variant: str, ideal: float) -> dict:
     strategy = dict(
-        run_id=f"many{num_peers}{variant}", target_batch_size=int(ideal * EPOCH_SECONDS),
+        run_id=f"many{num_peers}{variant.replace('+', '_')}", target_batch_size=int(ideal * EPOCH_SECONDS),
         host_maddrs=["/ip4/127.0.0.1/tcp/0"], matchmaking_time=3.0, averaging_timeout=30.0, load_state_timeout=30.0,
         metrics_interval=10.0, tracker_opts={"min_refresh_period": 0.5, "max_refresh_period": 3.0},
     )
