@@ -91,7 +91,8 @@ class HivemindStrategy(SingleDeviceStrategy):
         overlap_max_peers: with delay_optimizer_step or delay_grad_averaging, the three options above apply while
             the swarm has at most this many peers; a larger swarm averages synchronously, and each peer logs when it
             switches. Default 2: with rounds matched per epoch 4 overlapping peers were 1.43x synchronous ones
-            without the reducer check, 0.84x with it (docs/swarm-at-scale.md). None: always as given.
+            (reducer check off), but 16 were 0.07 of ideal against 0.45 synchronous, most of their rounds finding no
+            group (docs/swarm-at-scale.md). None: always as given.
         offload_optimizer: keep the optimizer (and a copy of the parameters) on the CPU. Default: hivemind's
             default (True).
         reuse_grad_buffers: accumulate gradients in the parameters' ``.grad`` (saves memory; Lightning's
