@@ -45,6 +45,8 @@ Every private name used is listed in :data:`~lightning_swarm.hivemind_ext.privat
 ``catch_up`` (a newcomer trains after one download, on a state at most ``max_stale_epochs`` behind the swarm's)
     - ``Optimizer._should_load_state_from_peers``: extended, a peer whose downloaded state is not merged yet follows
       the swarm's epoch instead of downloading again, within the bound.
+    - ``Optimizer._update_global_epoch``: skipped while the peer sits out an epoch it arrived at as it ended (and
+      ``_maybe_schedule_gradient_averaging`` / ``_maybe_schedule_state_averaging`` with it).
     - ``TrainingStateAverager._update_scheduler``: the LR schedule of the adopted epoch.
 ``grad_averager`` (gradients averaged per sample, not per local step; worker momentum)
     - ``GradientAverager._anchor_batch_size``, ``GradientAverager._grad_accumulators``,

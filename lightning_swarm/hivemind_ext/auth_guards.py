@@ -219,6 +219,12 @@ class EpochGuard:
             metadata = self._drop_implausible(metadata)
         return super()._parse_swarm_progress_data(metadata)
 
+    def _trusted_records(self, metadata) -> dict:
+        metadata = super()._trusted_records(metadata)
+        if self.swarm_auth is not None and metadata:
+            metadata = self._drop_implausible(metadata)
+        return metadata
+
     def _drop_implausible(self, metadata: dict) -> dict:
         claims: Dict[bytes, LocalTrainingProgress] = {}
         for key, entry in metadata.items():

@@ -19,6 +19,13 @@ succeeded:
   ``max_stale_epochs`` past the downloaded state's epoch; beyond, it downloads again, as hivemind would;
 - if it is alone in the swarm, there is nothing to merge with: its state is the swarm's.
 
+While rounds are matched per epoch (the overlap options, see ``_rounds_matched_per_epoch``), a peer that arrives
+at the swarm's epoch when it is ending (after a download or a catch-up, the swarm's samples for
+it are complete: its peers' rounds are under way) sits that epoch out: no global step, no pre-scheduled round, its
+samples accumulate, and when the swarm enters the next epoch it follows and ends that one with its peers. Stepping
+at once, its round (matched per epoch, :mod:`~lightning_swarm.hivemind_ext.epoch_rounds`) found its groupmates gone;
+it fell an epoch behind, caught up at the end of the next epoch, and so on (in CI a peer lost 10 epochs that way).
+
 ``max_stale_epochs=0`` is hivemind's behaviour. The state rounds are ``average_state_every`` global steps apart
 (default 1): the stale parameters live that long.
 """
@@ -26,10 +33,12 @@ succeeded:
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Optional
+import time
+from typing import Any, Dict, Optional, Tuple
 
 from hivemind.averaging.control import StepControl
 from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.utils import get_dht_time
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +146,8 @@ class CatchUpAfterDownload:
     def __init__(self, *args, max_stale_epochs: int = DEFAULT_MAX_STALE_EPOCHS, **kwargs):
         self.max_stale_epochs = check_max_stale_epochs(max_stale_epochs)
         self.state_downloads = 0  # downloads that loaded a state (the tests and benchmarks count them)
+        self.sat_out = 0  # epochs this peer arrived at as they ended and sat out (the tests count them)
+        self._sit_out: Optional[Tuple[int, float]] = None  # (the epoch sat out, until when at most: monotonic s)
         super().__init__(*args, **kwargs)
 
     def load_state_from_peers(self, **kwargs) -> None:
@@ -160,11 +171,69 @@ class CatchUpAfterDownload:
             averager.end_stale_state("is the swarm's: this peer made a global step alone")
         return result
 
+    def _rounds_matched_per_epoch(self) -> bool:
+        """Whether this peer's averaging rounds are matched with rounds of their own epoch now (the optimizer says;
+        hivemind's one key for all rounds: False)."""
+        return False
+
     def _no_other_peer(self) -> bool:
         return self.tracker.global_progress.num_peers <= 1
 
+    def _update_global_epoch(self, grad_scaler) -> None:
+        if not self._sitting_out():
+            super()._update_global_epoch(grad_scaler)
+
+    def _maybe_schedule_gradient_averaging(self) -> None:
+        if not self._sitting_out():  # a round of the epoch sat out would look for groupmates who have gone
+            super()._maybe_schedule_gradient_averaging()
+
+    def _maybe_schedule_state_averaging(self) -> None:
+        if not self._sitting_out():
+            super()._maybe_schedule_state_averaging()
+
+    def _sitting_out(self) -> bool:
+        """Whether this peer sits out its current epoch (see the module docstring); ends with the epoch, or after
+        averaging_timeout + matchmaking_time (the swarm's rounds of the epoch have ended or failed by then)."""
+        if self._sit_out is None:
+            return False
+        epoch, until = self._sit_out
+        if self.local_epoch != epoch or time.monotonic() >= until:
+            self._sit_out = None
+            return False
+        return True
+
+    def _sit_out_if_ending(self) -> None:
+        """Sit out the current epoch if the swarm's samples for it are complete (its peers' rounds are under way), or
+        nearly: its peers look for their groups from ``matchmaking_time`` before the epoch's estimated end, and a
+        round that starts after the window found them assembled (seen in tests/lightning_swarm/test_leaver.py)."""
+        if not self._rounds_matched_per_epoch():  # hivemind's one key: its round joins the swarm's next one
+            return
+        ending = (self.tracker.ready_to_update_epoch
+                  or self.tracker.estimated_next_update_time - get_dht_time() <= self.matchmaking_time)
+        others = self.tracker.global_progress.num_peers - int(getattr(self.tracker, "_counted_itself", True))
+        if self.auxiliary or others < 1 or not ending:  # (a newcomer without samples has no record yet)
+            return
+        if self.tracker.global_epoch != self.local_epoch:
+            return
+        for name in ("scheduled_grads", "scheduled_state"):  # rounds pre-scheduled for an epoch this peer left
+            control = getattr(self, name, None)
+            if control is not None and not control.triggered and not control.done():
+                control.cancel()
+            setattr(self, name, None)
+        self._sit_out = (self.local_epoch, time.monotonic() + (self.averaging_timeout or 0) + self.matchmaking_time)
+        self.sat_out += 1
+        log.warning(f"[lightning_swarm] the swarm is ending epoch {self.local_epoch} (its rounds are under way): "
+                    "this peer sits it out and ends the next one with its peers (its samples count there)")
+
     def _should_load_state_from_peers(self) -> bool:
         should = super()._should_load_state_from_peers()
+        if (self._sit_out is not None and self.max_stale_epochs and not self.auxiliary
+                and self.tracker.global_epoch > self.local_epoch):
+            # the swarm ended the epoch this peer sat out: follow it into the next one (the parameters are that
+            # epoch's, merged into the group's at the next state round)
+            self._sit_out = None
+            stale_since = self.state_averager.stale_since
+            return not self._catch_up(self.local_epoch if stale_since is None else stale_since)
         stale_since = self.state_averager.stale_since
         if stale_since is None or self.auxiliary or not self.max_stale_epochs:
             # a peer that fell behind downloads, as in hivemind: a moderator's revert is announced a few epochs ahead
@@ -181,6 +250,7 @@ class CatchUpAfterDownload:
         returns whether this peer is at the swarm's epoch now."""
         swarm_epoch = self.tracker.global_epoch
         if swarm_epoch <= self.local_epoch:
+            self._sit_out_if_ending()
             return True
         behind = swarm_epoch - state_epoch
         if behind > self.max_stale_epochs:
@@ -197,4 +267,5 @@ class CatchUpAfterDownload:
         log.warning(f"[lightning_swarm] training at the swarm's epoch {swarm_epoch} on a state of epoch "
                     f"{state_epoch} ({behind} behind, at most max_stale_epochs={self.max_stale_epochs}): its "
                     "gradients count from now on, its next state averaging round brings it to its group's")
+        self._sit_out_if_ending()
         return True

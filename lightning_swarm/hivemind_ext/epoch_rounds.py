@@ -20,17 +20,35 @@ its deadline (``averaging_timeout``) while its peer waits for it (docs/swarm-at-
   ``DecentralizedAverager.step`` through ``super()``.
 - :class:`EpochGroupKeyManager`: the group key with the epoch of the round being matched (see ``group_keys``, which
   switches the key manager's class).
+- :class:`LateRounds` (in the trainer's process): a triggered round still looking for a group once the swarm has
+  gone past its epoch gives up after a grace period instead of searching until ``averaging_timeout``. Nobody will
+  join it (its groupmates have averaged and moved on), and a peer that waited the whole timeout came back several
+  epochs behind, caught up to the swarm's epoch in the middle of that epoch's round, was late for it again, and so
+  on: in CI a peer lost 10 epochs that way (tests/lightning_swarm/test_leaver.py). Given up, it applies its local
+  gradients like after any failed round and catches up with the swarm. "Past its epoch" means a peer entered the
+  epoch after the round's: peers enter the round's own epoch while that round may still look for its group
+  (``delay_state_averaging``, hivemind's default, and ``delay_grad_averaging`` run it in the background).
 
-Every peer of a run must use the same keys: a peer of an older lightning_swarm (one key for all epochs) and a peer
-with this module never share a group.
+The swarm optimizer matches rounds per epoch only while ``delay_grad_averaging`` / ``delay_optimizer_step`` are in
+force (``SwarmOptimizer._rounds_matched_per_epoch``, through ``RoundEpochSender.epoch_keys``). Synchronous rounds
+keep hivemind's one key: an averager has one round at a time, and a peer one epoch behind still finds its
+groupmates in the swarm's next round. Matched per epoch, such a peer found nobody in every round while its epoch
+stayed one off the swarm's, and a newcomer that arrived as an epoch ended was late for every round after
+(tests/lightning_swarm/test_leaver.py failed that way in CI, test_newcomer.py here; LateRounds and the catch-up's
+sit-out shorten that, they do not remove it).
+
+Every peer of a run must use the same keys: with the overlap options on, a peer of an older lightning_swarm (one key
+for all epochs) and a peer with this module never share a group.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import threading
+import time
+from typing import Callable, List, Optional
 
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.control import StepControl
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.utils import get_logger
 from hivemind.utils.mpfuture import MPFuture
 
@@ -91,14 +109,111 @@ class RoundEpochSender(DecentralizedAverager):
 
     ``round_epoch`` (attribute, set in the trainer's process): a callable giving the epoch of the round about to be
     started, or None: then the ``gather`` of the step, if it is an epoch number (as hivemind's state rounds gather).
+
+    ``epoch_keys`` (attribute, trainer's process): a callable saying whether rounds are matched per epoch now; when
+    it says False, a round uses hivemind's one key (its epoch is not sent). None: always per epoch.
+
+    ``on_round`` (attribute, trainer's process): a callable given each round's StepControl, its epoch and the
+    averager, for rounds started with ``wait=False`` (as the optimizer starts them), e.g. :meth:`LateRounds.watch`.
     """
 
     round_epoch: Optional[Callable[[], Optional[int]]] = None
+    epoch_keys: Optional[Callable[[], bool]] = None
+    on_round: Optional[Callable[[StepControl, Optional[int], DecentralizedAverager], None]] = None
 
     def step(self, gather=None, *args, **kwargs):
         epoch = self.round_epoch() if self.round_epoch is not None else None
         if epoch is None and isinstance(gather, int) and not isinstance(gather, bool):
             epoch = gather
+        if self.epoch_keys is not None and not self.epoch_keys():
+            epoch = None
         if self.is_alive() and hasattr(self, "_set_round_epoch"):  # RoundEpochs receives it
             self._outer_pipe.send(("_set_round_epoch", [], dict(epoch=epoch)))
-        return super().step(gather, *args, **kwargs)
+        result = super().step(gather, *args, **kwargs)
+        if isinstance(result, StepControl) and self.on_round is not None:
+            self.on_round(result, epoch, self)
+        return result
+
+
+class LateRounds:
+    """Gives up rounds that look for a group of an epoch the swarm has finished (see the module docstring).
+
+    A round is given up (its StepControl cancelled: the optimizer then applies local gradients, or keeps its state,
+    as after any failed round) when it has been triggered, is still looking for a group (not yet averaging, not
+    waiting for its trigger), and the swarm's epoch has been above the round's epoch for ``grace`` seconds.
+
+    Args:
+        swarm_epoch: the swarm's epoch as this peer sees it now: the highest epoch a peer entered (a peer enters
+            epoch E + 1 after it began its rounds of E + 1, so its rounds of E have ended or are late themselves).
+            Called only while a watched round is triggered and looking for a group. Not the progress tracker's
+            ``global_epoch``: hivemind pauses the tracker's updates through a global step, and so through the
+            rounds it waits for (``ThrottledProgressTracker.peek_global_epoch`` reads the DHT instead).
+        grace: seconds the swarm must have been past the round's epoch (a groupmate still looking for the same
+            epoch finds this round within one matchmaking window: the optimizer's ``matchmaking_time``).
+        poll_interval: seconds between two checks of the watched rounds (a thread does them; see :meth:`start`).
+    """
+
+    def __init__(self, swarm_epoch: Callable[[], int], grace: float, poll_interval: float = 0.5):
+        if grace < 0 or poll_interval <= 0:
+            raise ValueError(f"grace must be >= 0 and poll_interval > 0 seconds, got {grace!r}, {poll_interval!r}")
+        self.swarm_epoch, self.grace, self.poll_interval = swarm_epoch, grace, poll_interval
+        self._rounds: List[list] = []  # [control, epoch, averager's class name, since when the swarm is past it]
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.given_up = 0  # rounds given up so far (for tests and diagnostics)
+
+    def watch(self, control: StepControl, epoch: Optional[int], averager: object = None) -> None:
+        """Watch a round of ``epoch`` (a round of unknown epoch is left alone)."""
+        if epoch is not None:
+            with self._lock:
+                self._rounds.append([control, int(epoch), type(averager).__name__, None])
+
+    def check(self) -> int:
+        """Give up the late rounds now; return how many were given up."""
+        with self._lock:
+            for entry in list(self._rounds):
+                if entry[0].done():
+                    self._rounds.remove(entry)
+            looking = [entry for entry in self._rounds if entry[0].stage == AveragingStage.LOOKING_FOR_GROUP
+                       and entry[0].triggered]  # (looking for a group: its trigger is attached)
+            for entry in self._rounds:
+                if entry not in looking:
+                    entry[3] = None
+        if not looking:
+            return 0
+        swarm_epoch, now, late = self.swarm_epoch(), time.monotonic(), []  # (may read the DHT: only when needed)
+        with self._lock:
+            for entry in looking:
+                control, epoch, _, since = entry
+                if swarm_epoch <= epoch or entry not in self._rounds:
+                    entry[3] = None
+                elif since is None:
+                    entry[3] = now
+                elif now - since >= self.grace:
+                    self._rounds.remove(entry)
+                    late.append(entry)
+        for control, epoch, averager, since in late:
+            if control.cancel():
+                self.given_up += 1
+                log.info(f"Gave up the {averager} round of epoch {epoch}: it found no group, and the swarm went past "
+                         f"that epoch {now - since:.1f} s ago (it is at epoch {swarm_epoch})")
+        return len(late)
+
+    def start(self) -> "LateRounds":
+        """Check every ``poll_interval`` seconds in a daemon thread until :meth:`stop`."""
+        self._thread = threading.Thread(target=self._run, name="lightning_swarm.LateRounds", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_interval):
+            try:
+                self.check()
+            except Exception as e:  # a tracker shutting down, say: never kill the thread with the peer still up
+                log.debug(f"LateRounds check failed: {e!r}")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)

@@ -12,8 +12,10 @@ SwarmOptimizer changes these things and nothing else:
 - in a swarm, state averaging rounds are pre-scheduled like gradient rounds (hivemind 1.1.12 never does, see
   ``_maybe_schedule_state_averaging``), so their group is ready when the epoch ends;
 - overlapping rounds (the overlap options ``delay_optimizer_step`` / ``delay_grad_averaging`` /
-  ``delay_state_averaging``): each round is matched with rounds of its own epoch
-  (:mod:`~lightning_swarm.hivemind_ext.epoch_rounds`), and a groupmate's part that arrives before its group is
+  ``delay_state_averaging``): while they are in force each round is matched with rounds of its own epoch
+  (:mod:`~lightning_swarm.hivemind_ext.epoch_rounds`; synchronous rounds use hivemind's one key), a round still
+  looking for a group once the swarm went past its epoch is given up after a matchmaking window, a peer that arrives
+  at an epoch as it ends sits it out (:mod:`~lightning_swarm.hivemind_ext.catch_up`), and a groupmate's part that arrives before its group is
   registered waits for it (:mod:`~lightning_swarm.hivemind_ext.round_groups`);
   they apply while the swarm has at most ``overlap_max_peers`` peers (default 2; None: any size), synchronous rounds
   beyond;
@@ -44,7 +46,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from lightning_swarm.hivemind_ext.auth_guards import AuthenticatedAveraging, EpochGuard
 from lightning_swarm.hivemind_ext.catch_up import CatchUpAfterDownload, StaleStateMerge
 from lightning_swarm.hivemind_ext.credentials import PeerCredentials
-from lightning_swarm.hivemind_ext.epoch_rounds import RoundEpochs, RoundEpochSender
+from lightning_swarm.hivemind_ext.epoch_rounds import LateRounds, RoundEpochs, RoundEpochSender
 from lightning_swarm.hivemind_ext.finite_state import FiniteStateDownload
 from lightning_swarm.hivemind_ext.gathered_checks import CheckedGatheredData
 from lightning_swarm.hivemind_ext.grad_averager import SampleWeightedGradientAverager
@@ -167,6 +169,12 @@ class SwarmOptimizer(CatchUpAfterDownload, hivemind.Optimizer):
                 signal.signal(signal.SIGINT, interrupt_handler)  # hivemind's averagers set SIG_IGN (module docstring)
         if isinstance(self.grad_averager, RoundEpochSender):  # its rounds are matched with rounds of their epoch
             self.grad_averager.round_epoch = self._next_epoch
+        # a round of an epoch the swarm has finished finds nobody: give it up after a matchmaking window
+        self.late_rounds = LateRounds(self._peek_global_epoch, grace=self.matchmaking_time).start()
+        for averager in (self.grad_averager, self.state_averager):
+            if isinstance(averager, RoundEpochSender):
+                averager.epoch_keys = self._rounds_matched_per_epoch
+                averager.on_round = self.late_rounds.watch
         self.requested_overlap = {name: getattr(self, name) for name in OVERLAP_OPTIONS}  # as configured
         self.download_abandoned: Optional[str] = None  # why a state download was abandoned (see stop_waiting)
         self.overlapping = True  # whether the requested overlap options are in force
@@ -189,6 +197,12 @@ class SwarmOptimizer(CatchUpAfterDownload, hivemind.Optimizer):
         except StateDownloadStopped as e:
             log.warning(f"[lightning_swarm] {e}")
             self.download_abandoned = str(e)
+
+    def shutdown(self) -> None:
+        late_rounds = self.__dict__.get("late_rounds")
+        if late_rounds is not None:
+            late_rounds.stop()
+        super().shutdown()
 
     def step(self, *args, **kwargs):
         self._choose_overlap()
@@ -251,6 +265,17 @@ class SwarmOptimizer(CatchUpAfterDownload, hivemind.Optimizer):
             **self.robust_averaging_opts,
             **kwargs,
         )
+
+    def _rounds_matched_per_epoch(self) -> bool:
+        """Whether this peer's rounds are matched per epoch now: while the overlap options that put several rounds
+        of an averager under way are in force (``delay_grad_averaging`` / ``delay_optimizer_step``, as
+        ``_choose_overlap`` set them). Synchronous rounds use hivemind's one key: one round at a time needs no
+        epoch in the key, and a peer one epoch behind still finds its groupmates (in the swarm's next round)."""
+        return bool(self.delay_grad_averaging or self.delay_optimizer_step)
+
+    def _peek_global_epoch(self) -> int:
+        peek = getattr(self.tracker, "peek_global_epoch", None)  # (a tracker of hivemind's own class has none)
+        return peek() if peek is not None else self.tracker.global_epoch
 
     def _next_epoch(self) -> int:
         """The epoch this peer's next global step leads to (as hivemind's ``_update_global_epoch`` computes it)."""

@@ -279,6 +279,7 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
     ])
     + _symbols(_OPTIMIZER, "catch_up", [
         ("Optimizer._should_load_state_from_peers", "extended: a stale state within max_stale_epochs follows the swarm"),
+        ("Optimizer._update_global_epoch", "skipped while the peer sits out an epoch it arrived at as it ended"),
     ])
     + _symbols("hivemind.optim.state_averager", "catch_up", [
         ("TrainingStateAverager._update_scheduler", "steps the LR schedule to the swarm's epoch it adopts"),

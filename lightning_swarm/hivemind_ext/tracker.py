@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Optional
 
-from hivemind.optim.progress_tracker import GlobalTrainingProgress, ProgressTracker
+from hivemind.optim.progress_tracker import GlobalTrainingProgress, LocalTrainingProgress, ProgressTracker
 from hivemind.utils import get_dht_time
 from hivemind.utils.timed_storage import ValueWithExpiration
 
@@ -166,6 +166,30 @@ class ThrottledProgressTracker(ProgressTracker):
             self.global_progress = self._parse_swarm_progress_data(metadata)
             self.fetched_global_progress_this_epoch.set()
         return self.global_progress
+
+    def peek_global_epoch(self, timeout: float = 5.0) -> int:
+        """The swarm's epoch read from the DHT now, as ``global_epoch`` would be after a fetch, without taking the
+        tracker's lock or changing its state: hivemind holds that lock through a global step (``pause_updates``),
+        so ``global_epoch`` stays as it was when the step began while its rounds run. On a DHT that does not answer
+        within ``timeout`` seconds, ``global_epoch``."""
+        epoch = max(self.global_epoch, self.local_progress.epoch)
+        try:
+            found = self.dht.get(self.training_progress_key, latest=True, return_future=True).result(timeout)
+        except Exception:
+            return epoch
+        metadata = found.value if isinstance(found, ValueWithExpiration) else None
+        for entry in self._trusted_records(metadata).values():
+            try:
+                record = LocalTrainingProgress.parse_obj(entry.value)
+            except Exception:  # the "left the run" record (None), or one the checks let through but hivemind refuses
+                continue
+            if not record.client_mode:  # as hivemind's global epoch
+                epoch = max(epoch, record.epoch)
+        return epoch
+
+    def _trusted_records(self, metadata) -> dict:
+        """The progress records of ``metadata`` (a DHT get's value) that this tracker counts."""
+        return well_formed_records(metadata, get_dht_time(), keep=self._local_public_key)
 
     def _report_interval(self, progress: GlobalTrainingProgress) -> float:
         fetch_interval = progress.next_fetch_time - get_dht_time()  # how long peers wait before their next fetch

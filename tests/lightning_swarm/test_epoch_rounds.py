@@ -100,3 +100,73 @@ def test_a_next_epoch_round_cannot_take_a_seat_in_the_current_epochs_group(avera
     for averager in averagers:
         with averager.get_tensors() as (tensor,):
             assert torch.allclose(tensor, torch.full_like(tensor, 2.0))
+
+
+def test_a_round_of_an_epoch_the_swarm_finished_is_given_up_after_its_grace(averagers):
+    """A peer triggers its round of epoch 5 and finds nobody (the other peer is not averaging). While the swarm is at
+    epoch 4 or 5 the round keeps looking (peers enter epoch 5 while their delayed rounds of 5 may still look for a
+    group); once the swarm is at 6 (its peers averaged epoch 5 without this one), it is given up one grace later:
+    its result raises at once instead of at its timeout, its tensors untouched."""
+    from concurrent.futures import CancelledError
+
+    from lightning_swarm.hivemind_ext.epoch_rounds import LateRounds
+
+    first, _ = averagers
+    swarm = {"epoch": 4}
+    late = LateRounds(lambda: swarm["epoch"], grace=1.0, poll_interval=0.1)
+    first.on_round = late.watch
+    control = first.step(gather=5, timeout=60.0, require_trigger=True, wait=False)
+    late.start()
+    try:
+        control.allow_allreduce()
+        time.sleep(MATCHMAKING_TIME)  # triggered and looking, the swarm still at the round's epoch - 1
+        assert not control.done() and late.given_up == 0
+        swarm["epoch"] = 5
+        time.sleep(MATCHMAKING_TIME)  # the swarm in the round's epoch: its peers' rounds may look for a group still
+        assert not control.done() and late.given_up == 0
+        swarm["epoch"] = 6
+        began = time.monotonic()
+        with pytest.raises(CancelledError):
+            control.result(timeout=30)
+        waited = time.monotonic() - began
+        assert late.grace <= waited < late.grace + 5, waited
+        assert late.given_up == 1
+        with first.get_tensors() as (tensor,):
+            assert torch.equal(tensor, torch.full_like(tensor, 1.0))
+        # the averager still works: a round of the next epoch with the other peer averages
+        rounds = [averager.step(gather=6, timeout=30.0, wait=False) for averager in averagers]
+        assert all(len(r.result(timeout=30)) == 2 for r in rounds)
+    finally:
+        late.stop()
+
+
+def test_late_rounds_leaves_rounds_that_found_a_group_or_wait_for_their_trigger():
+    """Only a triggered round still looking for a group is given up: not one waiting for its trigger, not one of an
+    unknown epoch, and a bad grace is refused."""
+    from hivemind.averaging.control import AveragingStage, StepControl
+    from hivemind.utils.mpfuture import MPFuture
+
+    from lightning_swarm.hivemind_ext.epoch_rounds import LateRounds
+
+    with pytest.raises(ValueError, match="grace"):
+        LateRounds(lambda: 0, grace=-1.0)
+    late = LateRounds(lambda: 10, grace=0.0)
+    untriggered = StepControl(scheduled_time=0.0, deadline=1e12, allow_retries=True, weight=1.0, data_for_gather=b"")
+    untriggered.attach(MPFuture(), MPFuture())
+    untriggered.stage = AveragingStage.LOOKING_FOR_GROUP
+    late.watch(untriggered, 3)
+    late.watch(untriggered, 10)  # the swarm at the round's epoch
+    late.watch(untriggered, None)
+    for _ in range(3):
+        assert late.check() == 0
+    assert not untriggered.cancelled()
+    untriggered.allow_allreduce()  # triggered, looking, the swarm past its epoch: given up (grace 0)
+    assert late.check() == 0 and late.check() == 1 and untriggered.cancelled()
+    assert late.check() == 0  # the entry of epoch 10 is done (cancelled) now: dropped
+    grouped = StepControl(scheduled_time=0.0, deadline=1e12, allow_retries=True, weight=1.0, data_for_gather=b"")
+    grouped.attach(MPFuture(), MPFuture())
+    grouped.allow_allreduce()
+    grouped.stage = AveragingStage.RUNNING_ALLREDUCE
+    late.watch(grouped, 3)
+    assert late.check() == 0 and late.check() == 0 and not grouped.cancelled()
+    grouped.cancel()

@@ -216,3 +216,29 @@ def test_in_a_swarm_the_estimated_end_still_ends_the_epoch(dht):
         first.shutdown(timeout=5)
         second.shutdown(timeout=5)
         other.shutdown()
+
+
+def test_peek_global_epoch_reads_the_swarm_while_a_global_step_holds_the_tracker(dht):
+    """hivemind holds the tracker's lock through a global step (``pause_updates``): its ``global_epoch`` stays as it
+    was while the step's rounds run. ``peek_global_epoch`` (LateRounds' view) reads the DHT instead."""
+    other = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                         initial_peers=[str(a) for a in dht.get_visible_maddrs()])
+    waiting = ThrottledProgressTracker(dht=dht, prefix="peek", target_batch_size=16, min_report_interval=0.1,
+                                       start=True)
+    ahead = ThrottledProgressTracker(dht=other, prefix="peek", target_batch_size=16, private_key=RSAPrivateKey(),
+                                     min_report_interval=0.1, start=True)
+    try:
+        waiting.report_local_progress(3, 4)
+        ahead.report_local_progress(3, 4)
+        _wait_for(lambda: waiting.global_epoch == 3 and waiting.peek_global_epoch() == 3, timeout=10)
+        with waiting.pause_updates():  # a global step under way
+            ahead.report_local_progress(5, 0)  # the other peer averaged and moved on
+            _wait_for(lambda: _published(ahead) == (5, 0), timeout=10)
+            time.sleep(2 * waiting.min_refresh_period)
+            assert waiting.global_epoch == 3
+            assert waiting.peek_global_epoch() == 5
+            assert waiting.global_epoch == 3  # peeking changed nothing
+    finally:
+        ahead.shutdown(timeout=5)
+        waiting.shutdown(timeout=5)
+        other.shutdown()
