@@ -37,6 +37,7 @@ import functools
 import logging
 import signal
 import threading
+import weakref
 from typing import Callable, Optional
 
 import hivemind
@@ -75,6 +76,16 @@ def check_overlap_max_peers(overlap_max_peers: Optional[int]) -> Optional[int]:
                                           or overlap_max_peers < 1):
         raise ValueError(f"overlap_max_peers must be a positive number of peers or None, got {overlap_max_peers!r}")
     return overlap_max_peers
+
+
+def _weak_call(method, default):
+    """A callable that calls the bound ``method`` while its object lives, and returns ``default`` after."""
+    reference = weakref.WeakMethod(method)
+
+    def call():
+        alive = reference()
+        return default if alive is None else alive()
+    return call
 
 
 class HivemindRpcNames:
@@ -170,7 +181,10 @@ class SwarmOptimizer(CatchUpAfterDownload, hivemind.Optimizer):
         if isinstance(self.grad_averager, RoundEpochSender):  # its rounds are matched with rounds of their epoch
             self.grad_averager.round_epoch = self._next_epoch
         # a round of an epoch the swarm has finished finds nobody: give it up after a matchmaking window
-        self.late_rounds = LateRounds(self._peek_global_epoch, grace=self.matchmaking_time).start()
+        # (through a weak reference: the thread must not keep a dropped optimizer, and its averagers, alive)
+        self.late_rounds = LateRounds(_weak_call(self._peek_global_epoch, default=-1), grace=self.matchmaking_time)
+        weakref.finalize(self, self.late_rounds.stop)
+        self.late_rounds.start()
         for averager in (self.grad_averager, self.state_averager):
             if isinstance(averager, RoundEpochSender):
                 averager.epoch_keys = self._rounds_matched_per_epoch
