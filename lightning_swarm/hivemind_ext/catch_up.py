@@ -19,12 +19,14 @@ succeeded:
   ``max_stale_epochs`` past the downloaded state's epoch; beyond, it downloads again, as hivemind would;
 - if it is alone in the swarm, there is nothing to merge with: its state is the swarm's.
 
-While rounds are matched per epoch (the overlap options, see ``_rounds_matched_per_epoch``), a peer that arrives
-at the swarm's epoch when it is ending (after a download or a catch-up, the swarm's samples for
+A peer that arrives at the swarm's epoch when it is ending (after a download or a catch-up, the swarm's samples for
 it are complete: its peers' rounds are under way) sits that epoch out: no global step, no pre-scheduled round, its
 samples accumulate, and when the swarm enters the next epoch it follows and ends that one with its peers. Stepping
 at once, its round (matched per epoch, :mod:`~lightning_swarm.hivemind_ext.epoch_rounds`) found its groupmates gone;
 it fell an epoch behind, caught up at the end of the next epoch, and so on (in CI a peer lost 10 epochs that way).
+With hivemind's one key for gradient rounds (synchronous ones), its round joined the swarm's next one instead, so
+its epoch stayed one behind the swarm's and its state rounds (matched per epoch) never met the swarm's: its stale
+state was never merged (tests/lightning_swarm/test_newcomer.py).
 
 ``max_stale_epochs=0`` is hivemind's behaviour. The state rounds are ``average_state_every`` global steps apart
 (default 1): the stale parameters live that long.
@@ -38,7 +40,6 @@ from typing import Any, Dict, Optional, Tuple
 
 from hivemind.averaging.control import StepControl
 from hivemind.optim.state_averager import TrainingStateAverager
-from hivemind.utils import get_dht_time
 
 log = logging.getLogger(__name__)
 
@@ -171,11 +172,6 @@ class CatchUpAfterDownload:
             averager.end_stale_state("is the swarm's: this peer made a global step alone")
         return result
 
-    def _rounds_matched_per_epoch(self) -> bool:
-        """Whether this peer's averaging rounds are matched with rounds of their own epoch now (the optimizer says;
-        hivemind's one key for all rounds: False)."""
-        return False
-
     def _no_other_peer(self) -> bool:
         return self.tracker.global_progress.num_peers <= 1
 
@@ -203,13 +199,10 @@ class CatchUpAfterDownload:
         return True
 
     def _sit_out_if_ending(self) -> None:
-        """Sit out the current epoch if the swarm's samples for it are complete (its peers' rounds are under way), or
-        nearly: its peers look for their groups from ``matchmaking_time`` before the epoch's estimated end, and a
-        round that starts after the window found them assembled (seen in tests/lightning_swarm/test_leaver.py)."""
-        if not self._rounds_matched_per_epoch():  # hivemind's one key: its round joins the swarm's next one
-            return
-        ending = (self.tracker.ready_to_update_epoch
-                  or self.tracker.estimated_next_update_time - get_dht_time() <= self.matchmaking_time)
+        """Sit out the current epoch if the swarm's samples for it are complete (its peers' rounds are under way).
+        Not when it is merely close to its end: a swarm whose epochs are shorter than ``matchmaking_time`` (a lone
+        peer stepping every second) then had the newcomer sit out every epoch (test_newcomer.py)."""
+        ending = self.tracker.global_progress.samples_accumulated >= self.tracker.target_batch_size
         others = self.tracker.global_progress.num_peers - int(getattr(self.tracker, "_counted_itself", True))
         if self.auxiliary or others < 1 or not ending:  # (a newcomer without samples has no record yet)
             return

@@ -12,14 +12,16 @@ SwarmOptimizer changes these things and nothing else:
 - in a swarm, state averaging rounds are pre-scheduled like gradient rounds (hivemind 1.1.12 never does, see
   ``_maybe_schedule_state_averaging``), so their group is ready when the epoch ends;
 - overlapping rounds (the overlap options ``delay_optimizer_step`` / ``delay_grad_averaging`` /
-  ``delay_state_averaging``): while they are in force each round is matched with rounds of its own epoch
-  (:mod:`~lightning_swarm.hivemind_ext.epoch_rounds`; synchronous rounds use hivemind's one key), a round still
-  looking for a group once the swarm went past its epoch is given up after a matchmaking window, a peer that arrives
-  at an epoch as it ends sits it out (:mod:`~lightning_swarm.hivemind_ext.catch_up`), and a groupmate's part that arrives before its group is
+  ``delay_state_averaging``): while they are in force each gradient round is matched with rounds of its own epoch
+  (:mod:`~lightning_swarm.hivemind_ext.epoch_rounds`; state rounds always are, synchronous gradient rounds use
+  hivemind's one key), and a groupmate's part that arrives before its group is
   registered waits for it (:mod:`~lightning_swarm.hivemind_ext.round_groups`);
   they apply while the swarm has at most ``overlap_max_peers`` peers (default 2; None: any size), synchronous rounds
   beyond;
   docs/swarm-at-scale.md has the measurements;
+- a round (matched per epoch) still looking for a group once the swarm went past its epoch is given up after a
+  matchmaking window (:class:`~lightning_swarm.hivemind_ext.epoch_rounds.LateRounds`), and a peer that arrives at an
+  epoch as it ends sits it out (:mod:`~lightning_swarm.hivemind_ext.catch_up`);
 - a newcomer's state download is verified, logged and retried, and skips the gradient buffers
   (:mod:`~lightning_swarm.hivemind_ext.state_download`); its retries end when ``stop_waiting()`` says so; a state at
   most ``max_stale_epochs`` behind the swarm's is trained on (:mod:`~lightning_swarm.hivemind_ext.catch_up`);
@@ -187,8 +189,9 @@ class SwarmOptimizer(CatchUpAfterDownload, hivemind.Optimizer):
         self.late_rounds.start()
         for averager in (self.grad_averager, self.state_averager):
             if isinstance(averager, RoundEpochSender):
-                averager.epoch_keys = self._rounds_matched_per_epoch
                 averager.on_round = self.late_rounds.watch
+        if isinstance(self.grad_averager, RoundEpochSender):  # (state rounds are always matched per epoch)
+            self.grad_averager.epoch_keys = self._rounds_matched_per_epoch
         self.requested_overlap = {name: getattr(self, name) for name in OVERLAP_OPTIONS}  # as configured
         self.download_abandoned: Optional[str] = None  # why a state download was abandoned (see stop_waiting)
         self.overlapping = True  # whether the requested overlap options are in force
@@ -281,10 +284,12 @@ class SwarmOptimizer(CatchUpAfterDownload, hivemind.Optimizer):
         )
 
     def _rounds_matched_per_epoch(self) -> bool:
-        """Whether this peer's rounds are matched per epoch now: while the overlap options that put several rounds
-        of an averager under way are in force (``delay_grad_averaging`` / ``delay_optimizer_step``, as
-        ``_choose_overlap`` set them). Synchronous rounds use hivemind's one key: one round at a time needs no
-        epoch in the key, and a peer one epoch behind still finds its groupmates (in the swarm's next round)."""
+        """Whether this peer's gradient rounds are matched per epoch now: while the overlap options that put several
+        rounds under way are in force (``delay_grad_averaging`` / ``delay_optimizer_step``, as ``_choose_overlap``
+        set them). Synchronous gradient rounds use hivemind's one key: a peer one epoch behind still finds its
+        groupmates (in the swarm's next round, its gradients one step stale). State rounds are always matched per
+        epoch: parameters of different epochs averaged together put a peer a step ahead of its epoch (an 8-peer
+        test's newcomer, whose state round joined the swarm's next one)."""
         return bool(self.delay_grad_averaging or self.delay_optimizer_step)
 
     def _peek_global_epoch(self) -> int:

@@ -175,6 +175,7 @@ class ReportMailbox:
         self._excluded_shared: Dict[PeerID, str] = {}
         self._exclusions_seen: Tuple[int, int] = (-1, -1)
         self._warned_client_groups = False
+        self._sending: Set[asyncio.Task] = set()  # verification messages sent without waiting for them
         super().__init__(*args, **kwargs)
 
     def _exclusions_path(self) -> Optional[str]:
@@ -255,6 +256,13 @@ class ReportMailbox:
     def close_mailbox(self, group_id: bytes) -> None:
         self._mailboxes.pop(group_id, None)
 
+    def close_mailbox_later(self, group_id: bytes) -> None:
+        """Close the round's mailbox ``verification_timeout`` seconds from now: a member still in its exchange
+        meanwhile (a slower one, or one this peer counted as failed) gets this peer's messages as answers. Closed at
+        once, a member whose round ended early (it skipped the check) left a slower one waiting the whole timeout
+        for its commitment (CI's test_leaver.py: 10 s, on a round the victim's death had already slowed)."""
+        asyncio.get_running_loop().call_later(self.verification_timeout, self.close_mailbox, group_id)
+
     async def _send_all(self, peers: Sequence[PeerID], message: averaging_pb2.AveragingData, mailbox: _Mailbox,
                         ) -> None:
         """Send ``message`` to each of ``peers``; each answers with its own message of the same phase (kept in
@@ -304,6 +312,11 @@ class ReportMailbox:
                         f"round): the other members' slices are not applied")
             skip = averaging_pb2.AveragingData(group_id=group_id, weight=float(PHASE_COMMIT), peer_id=b"")
             mailbox.post(PHASE_COMMIT, skip)
+            suspects = [peer for peer in callees if str(peer) in failed]
+            if suspects:  # perhaps only late (its results came after next_chunk_timeout): tell it too, not waiting
+                task = asyncio.create_task(self._send_all(suspects, skip, mailbox))
+                self._sending.add(task)
+                task.add_done_callback(self._sending.discard)
             await self._send_all([peer for peer in callees if str(peer) not in failed], skip, mailbox)
             return set(reducers)
         timeout = self.verification_timeout

@@ -456,4 +456,4 @@ class RobustAveraging(ReportMailbox):
         finally:
             runner.tensor_part_container.release_results()
             runner.tensor_part_reducer.reduced.clear()
-            self.close_mailbox(group_id)
+            self.close_mailbox_later(group_id)
