@@ -111,8 +111,10 @@ def test_join_notebook_runs_top_to_bottom_and_its_peer_joins_the_swarm(tmp_path,
                                          on_cell_start=wait_for_the_monitor_before_the_join)
         if stop == "interrupt":
             interrupt_when(client, notebook, f"step {STEPS}:", timeout=400)
-        client.execute()
-        nbformat.write(notebook, tmp_path / "join.executed.ipynb")  # what a volunteer would see, kept for a failure
+        try:
+            client.execute()
+        finally:  # what a volunteer would see, kept for a failure (a cell's timeout too: its output so far)
+            nbformat.write(notebook, tmp_path / "join.executed.ipynb")
         text = stream_text(notebook)
         print(text)
         summary = json.loads(text.split("SUMMARY ", 1)[1].splitlines()[0])
