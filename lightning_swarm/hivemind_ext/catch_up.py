@@ -220,14 +220,13 @@ class CatchUpAfterDownload:
 
     def _should_load_state_from_peers(self) -> bool:
         should = super()._should_load_state_from_peers()
+        stale_since = self.state_averager.stale_since
         if (self._sit_out is not None and self.max_stale_epochs and not self.auxiliary
                 and self.tracker.global_epoch > self.local_epoch):
             # the swarm ended the epoch this peer sat out: follow it into the next one (the parameters are that
             # epoch's, merged into the group's at the next state round)
             self._sit_out = None
-            stale_since = self.state_averager.stale_since
             return not self._catch_up(self.local_epoch if stale_since is None else stale_since)
-        stale_since = self.state_averager.stale_since
         if stale_since is None or self.auxiliary or not self.max_stale_epochs:
             # a peer that fell behind downloads, as in hivemind: a moderator's revert is announced a few epochs ahead
             # of the swarm (lightning_swarm.monitor), and every trainer must load it, not follow its epoch

@@ -34,8 +34,8 @@ The swarm optimizer matches state rounds per epoch always, and gradient rounds o
 ``RoundEpochSender.epoch_keys``). Synchronous gradient rounds keep hivemind's one key: an averager has one round at
 a time, and a peer one epoch behind still finds its groupmates in the swarm's next round (its gradients one step
 stale); state rounds of different epochs must not meet (an 8-peer test's newcomer joined the swarm's next state
-round and was a step ahead of its epoch). With every round matched per epoch, a peer one epoch off the swarm's found
-nobody in every round while its epoch stayed one off the swarm's, and a newcomer that arrived as an epoch ended was late for every round after
+round and was a step ahead of its epoch). With gradient rounds matched per epoch too, a peer one epoch off the
+swarm's found nobody in any round, and a newcomer that arrived as an epoch ended was late for every round after
 (tests/lightning_swarm/test_leaver.py failed that way in CI, test_newcomer.py here; LateRounds and the catch-up's
 sit-out shorten that, they do not remove it).
 

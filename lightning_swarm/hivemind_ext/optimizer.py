@@ -181,7 +181,8 @@ class SwarmOptimizer(CatchUpAfterDownload, hivemind.Optimizer):
             if interrupt_handler is not None and signal.getsignal(signal.SIGINT) is not interrupt_handler:
                 signal.signal(signal.SIGINT, interrupt_handler)  # hivemind's averagers set SIG_IGN (module docstring)
         if isinstance(self.grad_averager, RoundEpochSender):  # its rounds are matched with rounds of their epoch
-            self.grad_averager.round_epoch = self._next_epoch
+            self.grad_averager.round_epoch = self._next_epoch  # (state rounds always, gradient rounds when overlapped)
+            self.grad_averager.epoch_keys = self._rounds_matched_per_epoch
         # a round of an epoch the swarm has finished finds nobody: give it up after a matchmaking window
         # (through a weak reference: the thread must not keep a dropped optimizer, and its averagers, alive)
         self.late_rounds = LateRounds(_weak_call(self._peek_global_epoch, default=-1), grace=self.matchmaking_time)
@@ -190,8 +191,6 @@ class SwarmOptimizer(CatchUpAfterDownload, hivemind.Optimizer):
         for averager in (self.grad_averager, self.state_averager):
             if isinstance(averager, RoundEpochSender):
                 averager.on_round = self.late_rounds.watch
-        if isinstance(self.grad_averager, RoundEpochSender):  # (state rounds are always matched per epoch)
-            self.grad_averager.epoch_keys = self._rounds_matched_per_epoch
         self.requested_overlap = {name: getattr(self, name) for name in OVERLAP_OPTIONS}  # as configured
         self.download_abandoned: Optional[str] = None  # why a state download was abandoned (see stop_waiting)
         self.overlapping = True  # whether the requested overlap options are in force
