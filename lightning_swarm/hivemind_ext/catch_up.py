@@ -26,7 +26,8 @@ at once, its round (matched per epoch, :mod:`~lightning_swarm.hivemind_ext.epoch
 it fell an epoch behind, caught up at the end of the next epoch, and so on (in CI a peer lost 10 epochs that way).
 With hivemind's one key for gradient rounds (synchronous ones), its round joined the swarm's next one instead, so
 its epoch stayed one behind the swarm's and its state rounds (matched per epoch) never met the swarm's: its stale
-state was never merged (tests/lightning_swarm/test_newcomer.py).
+state was never merged (tests/lightning_swarm/test_newcomer.py). For the same reason a peer that catches up moves
+its state rounds still looking for a group to the epoch it caught up to (``RoundEpochSender.move_round``).
 
 ``max_stale_epochs=0`` is hivemind's behaviour. The state rounds are ``average_state_every`` global steps apart
 (default 1): the stale parameters live that long.
@@ -237,6 +238,21 @@ class CatchUpAfterDownload:
             return not self._catch_up(stale_since)
         return should
 
+    def _move_state_rounds(self, epoch: int) -> None:
+        """State rounds still looking for a group under an epoch this peer has just caught up past look among the
+        swarm's rounds of ``epoch`` instead: a triggered one (its global step into an earlier epoch started it) with
+        the rounds its peers triggered as they entered ``epoch``, a pre-scheduled one with those of ``epoch + 1``,
+        which its next global step triggers. Left under their own epoch, they found nobody (the swarm's rounds of
+        that epoch had ended) and the newcomer's stale state stayed unmerged (test_newcomer.py in CI)."""
+        averager = self.state_averager
+        move = getattr(averager, "move_round", None)
+        if move is None:
+            return
+        rounds = {id(control): control for control in (getattr(averager, "_merge_round", None),
+                                                        getattr(self, "scheduled_state", None)) if control is not None}
+        for control in rounds.values():
+            move(control, epoch if control.triggered else epoch + 1)
+
     def _catch_up(self, state_epoch: int) -> bool:
         """Train at the swarm's epoch on the state of ``state_epoch`` if it is at most max_stale_epochs behind;
         returns whether this peer is at the swarm's epoch now."""
@@ -256,6 +272,7 @@ class CatchUpAfterDownload:
             self.state_averager._update_scheduler()  # the LR of the swarm's epoch
             self.state_averager.hold_stale_state(state_epoch)
             self.tracker.report_local_progress(self.local_epoch, self.tracker.local_progress.samples_accumulated)
+        self._move_state_rounds(swarm_epoch)
         log.warning(f"[lightning_swarm] training at the swarm's epoch {swarm_epoch} on a state of epoch "
                     f"{state_epoch} ({behind} behind, at most max_stale_epochs={self.max_stale_epochs}): its "
                     "gradients count from now on, its next state averaging round brings it to its group's")

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from typing import Callable, List, Optional
 
 from hivemind.averaging import DecentralizedAverager
@@ -102,7 +103,24 @@ class RoundEpochs:
         # read before any await: the trainer sends the epoch right before the step, and the next epoch only with
         # the next step
         step.round_epoch = self.__dict__.pop("_next_round_epoch", None) if self.enabled else None
+        self.__dict__.setdefault("_live_rounds", weakref.WeakSet()).add(step)
         return await super()._step(step=step, future_for_init=future_for_init)
+
+    async def _move_rounds(self, from_epoch: int, to_epoch: int) -> None:
+        """(averager process) Rounds of ``from_epoch`` that have not found a group yet look for one among the rounds
+        of ``to_epoch`` from now on (the group key is read at each poll and declaration, and checked on each join
+        request: see EpochGroupKeyManager).
+
+        Args:
+            from_epoch: the epoch the rounds were started for.
+            to_epoch: the epoch whose rounds they join.
+        """
+        for step in list(self.__dict__.get("_live_rounds", ())):
+            if (getattr(step, "round_epoch", None) == from_epoch and not step.done()
+                    and step.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)):
+                step.round_epoch = int(to_epoch)
+                log.info(f"{type(self).__name__} round of epoch {from_epoch} looks for a group of epoch {to_epoch} "
+                         "(this peer caught up with the swarm)")
 
 
 class RoundEpochSender(DecentralizedAverager):
@@ -117,6 +135,9 @@ class RoundEpochSender(DecentralizedAverager):
 
     ``on_round`` (attribute, trainer's process): a callable given each round's StepControl, its epoch and the
     averager, for rounds started with ``wait=False`` (as the optimizer starts them), e.g. :meth:`LateRounds.watch`.
+
+    A StepControl returned by ``step`` carries its round's epoch as ``round_epoch`` (None: hivemind's one key);
+    :meth:`move_round` changes it.
     """
 
     round_epoch: Optional[Callable[[], Optional[int]]] = None
@@ -132,9 +153,27 @@ class RoundEpochSender(DecentralizedAverager):
         if self.is_alive() and hasattr(self, "_set_round_epoch"):  # RoundEpochs receives it
             self._outer_pipe.send(("_set_round_epoch", [], dict(epoch=epoch)))
         result = super().step(gather, *args, **kwargs)
-        if isinstance(result, StepControl) and self.on_round is not None:
-            self.on_round(result, epoch, self)
+        if isinstance(result, StepControl):
+            result.round_epoch = epoch
+            if self.on_round is not None:
+                self.on_round(result, epoch, self)
         return result
+
+    def move_round(self, control: StepControl, epoch: int) -> bool:
+        """Have a round that has not found a group yet look for one among the rounds of ``epoch`` (a later epoch
+        than its own) instead, e.g. after this peer caught up with the swarm; returns whether it was moved.
+
+        Args:
+            control: a StepControl returned by :meth:`step` (with ``wait=False``).
+            epoch: the epoch whose rounds it joins.
+        """
+        old = getattr(control, "round_epoch", None)
+        if (old is None or old >= epoch or control.done() or not self.is_alive() or not hasattr(self, "_move_rounds")
+                or control.stage not in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)):
+            return False
+        self._outer_pipe.send(("_move_rounds", [], dict(from_epoch=old, to_epoch=int(epoch))))
+        control.round_epoch = int(epoch)  # (read by LateRounds)
+        return True
 
 
 class LateRounds:
@@ -166,7 +205,8 @@ class LateRounds:
         self.given_up = 0  # rounds given up so far (for tests and diagnostics)
 
     def watch(self, control: StepControl, epoch: Optional[int], averager: object = None) -> None:
-        """Watch a round of ``epoch`` (a round of unknown epoch is left alone)."""
+        """Watch a round of ``epoch`` (a round of unknown epoch is left alone; a ``round_epoch`` on the control,
+        which :meth:`RoundEpochSender.move_round` changes, takes over from ``epoch``)."""
         if epoch is not None:
             with self._lock:
                 self._rounds.append([control, int(epoch), type(averager).__name__, None])
@@ -187,7 +227,10 @@ class LateRounds:
         swarm_epoch, now, late = self.swarm_epoch(), time.monotonic(), []  # (may read the DHT: only when needed)
         with self._lock:
             for entry in looking:
-                control, epoch, _, since = entry
+                control, since = entry[0], entry[3]
+                if getattr(control, "round_epoch", None) is not None:  # (moved: see RoundEpochSender.move_round)
+                    entry[1] = control.round_epoch
+                epoch = entry[1]
                 if swarm_epoch <= epoch or entry not in self._rounds:
                     entry[3] = None
                 elif since is None:

@@ -102,6 +102,28 @@ def test_a_next_epoch_round_cannot_take_a_seat_in_the_current_epochs_group(avera
             assert torch.allclose(tensor, torch.full_like(tensor, 2.0))
 
 
+def test_a_moved_round_averages_with_the_rounds_of_its_new_epoch(averagers):
+    """A peer that caught up with the swarm (catch_up) moves its triggered round of epoch 5, still looking for a
+    group, to epoch 6: it then averages with the other peer's round of epoch 6 (under epoch 5 it found nobody:
+    test_rounds_of_different_epochs_never_share_a_group). A round that found its group, or one already at a later
+    epoch, is not moved."""
+    first, second = averagers
+    behind = first.step(gather=5, timeout=40.0, require_trigger=True, wait=False)
+    assert behind.round_epoch == 5
+    behind.allow_allreduce()
+    time.sleep(MATCHMAKING_TIME)  # looking under epoch 5, alone
+    assert not behind.done()
+    assert first.move_round(behind, 6) and behind.round_epoch == 6
+    assert not first.move_round(behind, 6) and not first.move_round(behind, 4)  # not to its own or an earlier epoch
+    swarm = second.step(gather=6, timeout=40.0, require_trigger=True, wait=False)
+    swarm.allow_allreduce()
+    assert len(behind.result(timeout=30)) == 2 and len(swarm.result(timeout=30)) == 2
+    for averager in averagers:
+        with averager.get_tensors() as (tensor,):
+            assert torch.allclose(tensor, torch.full_like(tensor, 2.0))
+    assert not first.move_round(behind, 7)  # done
+
+
 def test_a_round_of_an_epoch_the_swarm_finished_is_given_up_after_its_grace(averagers):
     """A peer triggers its round of epoch 5 and finds nobody (the other peer is not averaging). While the swarm is at
     epoch 4 or 5 the round keeps looking (peers enter epoch 5 while their delayed rounds of 5 may still look for a
