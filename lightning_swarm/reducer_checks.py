@@ -234,6 +234,14 @@ def _contradiction(report: SliceReport, claims: ReducerClaims, sender: int, mode
     if statistic > limit * bound ** 2:
         return (f"a residual that projects {math.sqrt(statistic / len(difference)):.4g} per vector away from the "
                 f"reducer's claim where at most {bound:.4g} fits")
+    # the result itself: a member with no mass in a part (b_j = 0) has no residual there to tell a lie told to it
+    projections = len(report.projections)
+    difference = report.result_projections(projections) - claims.result_projections(projections)
+    bound = report.result_error + claims.result_error
+    statistic = float(np.sum(difference ** 2))
+    if statistic > limit * bound ** 2:
+        return (f"a result that projects {math.sqrt(statistic / len(difference)):.4g} per vector away from the "
+                f"reducer's claim where at most {bound:.4g} fits")
     return None
 
 

@@ -107,11 +107,20 @@ class SliceReport:
     digest: float  # digest of the headers it received
     coefficients: np.ndarray  # b_j per part
     distances: np.ndarray  # upper bound of |x_j - v| per part
+    result: Optional[np.ndarray] = None  # sum over parts of the projections of the result v it got (None: zeros)
+    result_error: float = 0.0  # L2 bound of their error (the codec's rounding of its part and of the delta)
+
+    def result_projections(self, projections: int = PROJECTIONS) -> np.ndarray:
+        return np.zeros(projections) if self.result is None else self.result
 
 def report_length(parts_by_reducer: Sequence[int], projections: int = PROJECTIONS) -> int:
     """Values in a member's report: per reducer, a status, the projections, the error, a digest, then two values
-    per part (coefficient, distance)."""
-    return sum(3 + projections + 2 * parts for parts in parts_by_reducer)
+    per part (coefficient, distance), then the result's projections and their error."""
+    return sum(_row_length(parts, projections) for parts in parts_by_reducer)
+
+
+def _row_length(parts: int, projections: int) -> int:
+    return 3 + projections + 2 * parts + projections + 1
 
 
 def encode_report(reports: Sequence[Optional[SliceReport]], parts_by_reducer: Sequence[int],
@@ -120,17 +129,18 @@ def encode_report(reports: Sequence[Optional[SliceReport]], parts_by_reducer: Se
     rows = []
     for report, parts in zip(reports, parts_by_reducer):
         if report is None or not report.complete:
-            rows.append(np.zeros(3 + projections + 2 * parts))
+            rows.append(np.zeros(_row_length(parts, projections)))
             continue
         rows.append(np.concatenate(([1.0], report.projections, [report.error, report.digest],
-                                    report.coefficients, report.distances)))
+                                    report.coefficients, report.distances,
+                                    report.result_projections(projections), [report.result_error])))
     return np.concatenate(rows) if rows else np.zeros(0)
 
 
 def decode_report(values: np.ndarray, parts_by_reducer: Sequence[int], projections: int = PROJECTIONS,
                   ) -> List[Optional[SliceReport]]:
     """A member's report vector, checked: the length :func:`report_length` gives, finite values, status 0 or 1,
-    error and distances >= 0, coefficients in [0, 1], digests integers below 2**53. Raises MalformedReport."""
+    errors and distances >= 0, coefficients in [0, 1], digests integers below 2**53. Raises MalformedReport."""
     values = np.asarray(values, dtype=np.float64).reshape(-1)
     if len(values) != report_length(parts_by_reducer, projections):
         raise MalformedReport(f"a report of {len(values)} values, not {report_length(parts_by_reducer, projections)}")
@@ -139,18 +149,20 @@ def decode_report(values: np.ndarray, parts_by_reducer: Sequence[int], projectio
     reports: List[Optional[SliceReport]] = []
     offset = 0
     for parts in parts_by_reducer:
-        row = values[offset:offset + 3 + projections + 2 * parts]
+        row = values[offset:offset + _row_length(parts, projections)]
         offset += len(row)
         if row[0] == 0.0:
             reports.append(None)
             continue
         error, digest = row[1 + projections], row[2 + projections]
-        coefficients, distances = row[3 + projections:3 + projections + parts], row[3 + projections + parts:]
-        if (row[0] != 1.0 or error < 0 or not 0 <= digest < 2 ** 53 or digest != int(digest)
+        coefficients = row[3 + projections:3 + projections + parts]
+        distances = row[3 + projections + parts:3 + projections + 2 * parts]
+        result, result_error = row[3 + projections + 2 * parts:-1], row[-1]
+        if (row[0] != 1.0 or error < 0 or result_error < 0 or not 0 <= digest < 2 ** 53 or digest != int(digest)
                 or np.any(coefficients < 0) or np.any(coefficients > 1 + SUM_SLACK) or np.any(distances < 0)):
             raise MalformedReport("a report with a field out of range")
         reports.append(SliceReport(True, row[1:1 + projections].copy(), float(error), float(digest),
-                                   coefficients.copy(), distances.copy()))
+                                   coefficients.copy(), distances.copy(), result.copy(), float(result_error)))
     return reports
 
 
@@ -179,7 +191,9 @@ def member_report(seed: bytes, reducer: int, parts: Sequence[ReceivedPart], memb
     ``1 / members`` of the virtual part's ``c0 (0 - v)`` (``v = local + delta``), projected on the part's random
     vectors (:func:`part_seed`), summed over the parts; the error bound of those projections (the codecs' rounding,
     the float32 result's, the sums'), the headers' digest, and per part its coefficient and an upper bound of its
-    distance to the result.
+    distance to the result; and the projections of the result ``v`` it got, summed over the parts where the senders
+    get one result (not MODE_KEEP), which every member and the reducer's claims must agree on: a member with no mass
+    in a part (``b_j = 0``) has no residual there, and a result told to it alone was unseen.
 
     Args:
         seed: the round's seed (see :mod:`lightning_swarm.hivemind_ext.result_verification`).
@@ -189,28 +203,35 @@ def member_report(seed: bytes, reducer: int, parts: Sequence[ReceivedPart], memb
         first: the part index of ``parts[0]`` in the slice (a report on some parts: :func:`merge_reports`).
         signs: where the sign vectors come from (shared with other slices' parts of the same index).
     """
-    total = np.zeros(projections)
-    error2 = 0.0
+    total, result = np.zeros(projections), np.zeros(projections)
+    error2 = result_error2 = 0.0
     coefficients, distances = np.zeros(len(parts)), np.zeros(len(parts))
     for index, part in enumerate(parts):
         b, share_zero = part.header.coefficient, part.header.zero / max(members, 1)
         vectors = [(part.delta, -b)]
         if share_zero > 0:
             vectors += [(part.local, -share_zero), (part.delta, -share_zero)]
-        total += project(vectors, part_seed(seed, first + index), projections, signs)
+        one_result = part.header.mode != MODE_KEEP
+        sets = [vectors] + ([[(part.local, 1.0), (part.delta, 1.0)]] if one_result else [])
+        projected = project_many(sets, part_seed(seed, first + index), projections, signs)
+        total += projected[0]
         delta_norm = float(part.delta.float().norm())
         local_norm = float(part.local.float().norm())
         error = (b * part.delta_rounding + share_zero * (part.delta_rounding + part.local_rounding)
                  + RESULT_ROUNDING * (local_norm + delta_norm)
                  + PROJECTION_ROUNDING * (b * delta_norm + share_zero * (local_norm + delta_norm)))
         error2 += error ** 2
+        if one_result:  # v = local + delta; the reducer's delta was v minus the part it decoded (local_rounding off)
+            result += projected[1]
+            result_error2 += (part.delta_rounding + part.local_rounding
+                              + (RESULT_ROUNDING + PROJECTION_ROUNDING) * (local_norm + delta_norm)) ** 2
         coefficients[index] = b
         # an honest "no change" (MODE_KEEP) is exact zeros, which every codec decodes to zeros: a decoded zero there
         # is no change (elsewhere a float16 zero may be a true value within 2**-25, which delta_rounding bounds)
         keep = part.header.mode == MODE_KEEP and delta_norm == 0.0
         distances[index] = 0.0 if keep else delta_norm + part.delta_rounding
     return SliceReport(True, total, math.sqrt(error2), header_digest([part.header for part in parts]),
-                       coefficients, distances)
+                       coefficients, distances, result, math.sqrt(result_error2))
 
 
 @dataclass
@@ -219,13 +240,19 @@ class ReducerClaims:
     index (a row of zeros for its own, if it sends): ``projections`` (senders, projections) of that sender's
     residual as :func:`member_report` projects it, computed from the part the reducer decoded and its result;
     ``errors`` (senders,) L2 bounds of their float32 rounding; ``coefficients`` and ``distances`` (senders, parts):
-    b_j and |x_j - v| per part."""
+    b_j and |x_j - v| per part; ``result`` (projections,) and ``result_error``: the projections of its results
+    ``v``, summed over the parts with one result for all senders (not MODE_KEEP), and their rounding bound."""
 
     digest: float
     projections: np.ndarray
     errors: np.ndarray
     coefficients: np.ndarray
     distances: np.ndarray
+    result: Optional[np.ndarray] = None  # None: zeros
+    result_error: float = 0.0
+
+    def result_projections(self, projections: int = PROJECTIONS) -> np.ndarray:
+        return np.zeros(projections) if self.result is None else self.result
 
 
 @dataclass
@@ -241,9 +268,9 @@ class ReducedPart:
 
 def claims_length(parts: int, senders: int, projections: int = PROJECTIONS) -> int:
     """Values in a claims block on a slice of ``parts`` parts in a group of ``senders`` senders: a status, a digest,
-    then per sender its projections, its error, and two values per part (coefficient, distance); none if
-    ``parts`` is 0 (nothing reduced)."""
-    return 0 if parts == 0 else 2 + senders * (projections + 1 + 2 * parts)
+    the result's projections and their error, then per sender its projections, its error, and two values per part
+    (coefficient, distance); none if ``parts`` is 0 (nothing reduced)."""
+    return 0 if parts == 0 else 3 + projections + senders * (projections + 1 + 2 * parts)
 
 
 def encode_claims(claims: Optional[ReducerClaims], parts: int, senders: int, projections: int = PROJECTIONS,
@@ -252,7 +279,8 @@ def encode_claims(claims: Optional[ReducerClaims], parts: int, senders: int, pro
     if parts == 0 or claims is None:
         return np.zeros(claims_length(parts, senders, projections))
     rows = np.concatenate([claims.projections, claims.errors[:, None], claims.coefficients, claims.distances], axis=1)
-    return np.concatenate(([1.0, claims.digest], rows.reshape(-1)))
+    return np.concatenate(([1.0, claims.digest], claims.result_projections(projections), [claims.result_error],
+                           rows.reshape(-1)))
 
 
 def decode_claims(values: np.ndarray, parts: int, senders: int, projections: int = PROJECTIONS,
@@ -266,15 +294,17 @@ def decode_claims(values: np.ndarray, parts: int, senders: int, projections: int
         raise MalformedReport("claims with non-finite values")
     if parts == 0 or values[0] == 0.0:
         return None
-    rows = values[2:].reshape(senders, projections + 1 + 2 * parts)
+    result, result_error = values[2:2 + projections], values[2 + projections]
+    rows = values[3 + projections:].reshape(senders, projections + 1 + 2 * parts)
     errors = rows[:, projections]
     coefficients, distances = rows[:, projections + 1:projections + 1 + parts], rows[:, projections + 1 + parts:]
     digest = values[1]
     if (values[0] != 1.0 or not 0 <= digest < 2 ** 53 or digest != int(digest) or np.any(errors < 0)
-            or np.any(coefficients < 0) or np.any(coefficients > 1 + SUM_SLACK) or np.any(distances < 0)):
+            or result_error < 0 or np.any(coefficients < 0) or np.any(coefficients > 1 + SUM_SLACK)
+            or np.any(distances < 0)):
         raise MalformedReport("claims with a field out of range")
     return ReducerClaims(float(digest), rows[:, :projections].copy(), errors.copy(), coefficients.copy(),
-                         distances.copy())
+                         distances.copy(), result.copy(), float(result_error))
 
 
 def reducer_claims(seed: bytes, reducer: int, parts: Sequence[ReducedPart], members: int, own: Optional[int],
@@ -283,8 +313,8 @@ def reducer_claims(seed: bytes, reducer: int, parts: Sequence[ReducedPart], memb
     """A reducer's claims on its own slice: for each other sender j, the projections of ``b_j (x_j - v)`` plus
     ``1 / members`` of ``c0 (0 - v)`` (as :func:`member_report`, on the same vectors), summed over the parts, with
     ``x_j`` the part it decoded, and their float32 rounding bound; each part's b_j and |x_j - v|; the digest of the
-    headers it sent. The sign vectors are generated once per part for all senders. None if a sender's part is
-    missing (that sender has no complete report either).
+    headers it sent; the projections of its results (as :func:`member_report`'s). The sign vectors are generated
+    once per part for all senders. None if a sender's part is missing (that sender has no complete report either).
 
     Args:
         seed: the round's seed; reducer: this reducer's index in the group.
@@ -297,8 +327,8 @@ def reducer_claims(seed: bytes, reducer: int, parts: Sequence[ReducedPart], memb
         return None
     senders = len(parts[0].received)
     others = [s for s in range(senders) if s != own]
-    out = np.zeros((senders, projections))
-    error2 = np.zeros(senders)
+    out, result_projections = np.zeros((senders, projections)), np.zeros(projections)
+    error2, result_error2 = np.zeros(senders), 0.0
     coefficients, distances = np.zeros((senders, len(parts))), np.zeros((senders, len(parts)))
     for index, part in enumerate(parts):
         statement = part.combination
@@ -322,8 +352,12 @@ def reducer_claims(seed: bytes, reducer: int, parts: Sequence[ReducedPart], memb
             error = (RESULT_ROUNDING * (float(received.norm()) + result_norm)
                      + PROJECTION_ROUNDING * (b * distance + share_zero * result_norm))
             error2[s] += error ** 2
-        out[others] += project_many(sets, part_seed(seed, first + index), projections, signs)
-    return ReducerClaims(header_digest(claimed_headers(parts)), out, np.sqrt(error2), coefficients, distances)
+        projected = project_many(sets + [[(result, 1.0)]], part_seed(seed, first + index), projections, signs)
+        out[others] += projected[:-1]
+        result_projections += projected[-1]
+        result_error2 += ((RESULT_ROUNDING + PROJECTION_ROUNDING) * result_norm) ** 2
+    return ReducerClaims(header_digest(claimed_headers(parts)), out, np.sqrt(error2), coefficients, distances,
+                         result_projections, math.sqrt(result_error2))
 
 
 def claimed_headers(parts: Sequence[ReducedPart]) -> List[ResultHeader]:
@@ -336,7 +370,9 @@ def merge_reports(reports: Sequence[SliceReport], headers: Sequence[ResultHeader
     """One report on a slice from reports on its parts one by one (in order; ``headers``: all its parts')."""
     return SliceReport(True, np.sum([r.projections for r in reports], axis=0),
                        math.sqrt(sum(r.error ** 2 for r in reports)), header_digest(headers),
-                       np.concatenate([r.coefficients for r in reports]), np.concatenate([r.distances for r in reports]))
+                       np.concatenate([r.coefficients for r in reports]), np.concatenate([r.distances for r in reports]),
+                       np.sum([r.result_projections(len(r.projections)) for r in reports], axis=0),
+                       math.sqrt(sum(r.result_error ** 2 for r in reports)))
 
 
 def merge_claims(claims: Sequence[Optional[ReducerClaims]], parts: Sequence[ReducedPart]) -> Optional[ReducerClaims]:
@@ -346,4 +382,6 @@ def merge_claims(claims: Sequence[Optional[ReducerClaims]], parts: Sequence[Redu
     return ReducerClaims(header_digest(claimed_headers(parts)), np.sum([c.projections for c in claims], axis=0),
                          np.sqrt(np.sum([c.errors ** 2 for c in claims], axis=0)),
                          np.concatenate([c.coefficients for c in claims], axis=1),
-                         np.concatenate([c.distances for c in claims], axis=1))
+                         np.concatenate([c.distances for c in claims], axis=1),
+                         np.sum([c.result_projections(c.projections.shape[1]) for c in claims], axis=0),
+                         math.sqrt(sum(c.result_error ** 2 for c in claims)))

@@ -549,12 +549,14 @@ def fuzz_reducer_reports(rng: random.Random, count: int) -> Outcome:
                 if phase == 3:
                     report = rc.SliceReport(True, np.array([rng.gauss(0, 1) for _ in range(4)]), rng.random(),
                                             float(rng.randrange(2 ** 48)), np.array([rng.random() for _ in range(2)]),
-                                            np.array([rng.random() for _ in range(2)]))
+                                            np.array([rng.random() for _ in range(2)]),
+                                            np.array([rng.gauss(0, 1) for _ in range(4)]), rng.random())
                     claims = rc.ReducerClaims(
                         float(rng.randrange(2 ** 48)), np.array([[rng.gauss(0, 1) for _ in range(4)] for _ in range(3)]),
                         np.array([rng.random() for _ in range(3)]),
                         np.array([[rng.random() for _ in range(2)] for _ in range(3)]),
-                        np.array([[rng.random() for _ in range(2)] for _ in range(3)]))
+                        np.array([[rng.random() for _ in range(2)] for _ in range(3)]),
+                        np.array([rng.gauss(0, 1) for _ in range(4)]), rng.random())
                     values = np.concatenate((rc.encode_report([report, None, None], _REPORT_PARTS),
                                              rc.encode_claims(claims if rng.random() < 0.8 else None, 2, 3)))
                     if index >= 10 and rng.random() < 0.6:

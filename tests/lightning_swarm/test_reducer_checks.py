@@ -88,7 +88,8 @@ def run_group(parts, weights, reducer: int, aggregation="centered_clip", min_ali
     if isinstance(claims, tuple):  # ("fit", j): move the claim about j so that the claims sum to -b_R (x_R - v)
         target = rc.project([(received[reducer] - result, combination.own)], rc.part_seed(SEED, 0))
         projections[claims[1]] -= target + projections.sum(axis=0)
-    claimed = rc.ReducerClaims(stated.digest, projections, errors, stated.coefficients, distances)
+    claimed = rc.ReducerClaims(stated.digest, projections, errors, stated.coefficients, distances, stated.result,
+                               stated.result_error)
     reports = []
     for j in members:
         delta, delta_q = codec_roundtrip(results[j] - sent[j][0], codec)
@@ -243,6 +244,7 @@ def framing(kind: str, size: float, seed: int):
     def change(report):
         projections, error, digest = report.projections.copy(), report.error, report.digest
         coefficients, distances = report.coefficients.copy(), report.distances.copy()
+        result = report.result_projections().copy()
         if kind == "projections":  # a random direction, ``size`` times its bound and its own norm
             direction = generator.standard_normal(len(projections))
             projections += direction / np.linalg.norm(direction) * size * (error + np.linalg.norm(projections))
@@ -254,12 +256,15 @@ def framing(kind: str, size: float, seed: int):
             distances = distances * size
         elif kind == "error":
             error = error * size
-        return rc.SliceReport(True, projections, error, digest, coefficients, distances)
+        elif kind == "result":  # the result it got, moved ``size`` times its bound and its own norm
+            direction = generator.standard_normal(len(result))
+            result += direction / np.linalg.norm(direction) * size * (report.result_error + np.linalg.norm(result))
+        return rc.SliceReport(True, projections, error, digest, coefficients, distances, result, report.result_error)
     return change
 
 
 FRAMES = [("projections", 0.3), ("projections", 3.0), ("projections", 30.0), ("projections", 1e6), ("digest", 1),
-          ("coefficient", 0.01), ("distance", 0.5), ("error", 1e-3), ("error", 1e9)]
+          ("coefficient", 0.01), ("distance", 0.5), ("error", 1e-3), ("error", 1e9), ("result", 1.0)]
 
 
 @pytest.mark.parametrize("codec", ["none", "fp16", "8bit"])
@@ -277,12 +282,12 @@ def test_a_framing_member_is_in_a_dispute_never_the_reducer_alone(n, aggregation
                 for v in honest:
                     assert v.blame != rc.BLAME_REDUCER, (kind, size, v)
                     assert v.reason is None or (v.blame == rc.BLAME_DISPUTE and v.disputed == (framer - 1,)), v
-                if kind in ("digest", "coefficient", "distance") or (kind == "projections" and size >= 30):
+                if kind in ("digest", "coefficient", "distance", "result") or (kind == "projections" and size >= 30):
                     assert all(v.reason is not None for v in honest), (kind, size, honest)
                     refused += 1
                 if kind == "error" and size > 1:  # a bound of its own too large changes nothing
                     assert all(v.reason is None for v in honest)
-    assert refused == 2 * (n - 1) * 5
+    assert refused == 2 * (n - 1) * 6
 
 
 @pytest.mark.parametrize("n", [3, 4])
@@ -303,6 +308,32 @@ def test_a_reducer_that_lies_about_a_member_is_blamed_by_it_and_disputed_by_the_
         assert verdicts[victim - 1].blame == rc.BLAME_REDUCER, verdicts[victim - 1]
         assert all(v.blame == rc.BLAME_DISPUTE and v.disputed == (victim - 1,)
                    for position, v in enumerate(verdicts) if position != victim - 1), verdicts
+
+
+@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("aggregation", ["mean", "centered_clip"])
+@pytest.mark.parametrize("codec", ["none", "fp16", "8bit"])
+def test_a_lie_to_a_member_with_no_mass_is_refused(n, aggregation, codec):
+    """A sender of weight 0 (a peer without samples tags along in gradient rounds) has no residual in the part
+    (b_j = 0): a result told to it alone used to pass every check. Its report now carries the projections of the
+    result it got, which must agree with the reducer's claimed ones: it blames the reducer, the others see a dispute
+    with it. An honest group with a weight-0 member passes."""
+    parts = honest_group(n, 5000, 5)
+    weights = [1.0, 2.0, 0.0, 3.0][:n]
+    verdicts, combination = run_group(parts, weights, 0, aggregation=aggregation, codec=codec)
+    assert combination.coefficients[2] == 0.0 and all(v.reason is None for v in verdicts), verdicts
+    scale = float(torch.stack(parts).mean(dim=0).norm())
+    # of the result's norm: the bound of an 8-bit part's and result's rounding lets lies up to ~0.1 of it pass
+    for size in ((0.5, 5.0) if codec == "8bit" else (0.02, 5.0)):
+        lie = torch.randn(5000, generator=torch.Generator().manual_seed(3))
+        lie = lie / lie.norm() * scale * size
+        verdicts, _ = run_group(parts, weights, 0, aggregation=aggregation, codec=codec, lie=lie, liar_sends_to=[2],
+                                claims="true")
+        victim = verdicts[1]  # member 2, second of members 1..n-1
+        assert victim.blame == rc.BLAME_REDUCER and "a result that projects" in victim.reason, victim
+        for position, v in enumerate(verdicts):
+            if position != 1:
+                assert v.blame == rc.BLAME_DISPUTE and v.disputed == (1,), v
 
 
 def test_a_member_that_inflates_its_error_bound_does_not_hide_a_lying_reducer():
@@ -341,22 +372,31 @@ def test_headers_and_reports_are_checked():
     assert decoded[1] is None and decoded[2] is None and decoded[0].digest == 12345.0
     for mutate in (lambda v: v[:-1], lambda v: np.append(v, 0.0), lambda v: np.where(np.arange(len(v)) == 1, np.nan, v),
                    lambda v: np.where(np.arange(len(v)) == 0, 0.5, v),
-                   lambda v: np.where(np.arange(len(v)) == 3 + rc.PROJECTIONS, -1.0, v)):
+                   lambda v: np.where(np.arange(len(v)) == 3 + rc.PROJECTIONS, -1.0, v),
+                   lambda v: np.where(np.arange(len(v)) == rc.report_length(parts[:1]) - 1, -1.0, v)):  # result error
         with pytest.raises(rc.MalformedReport):
             rc.decode_report(mutate(values.copy()), parts)
+    assert np.array_equal(decoded[0].result, np.zeros(rc.PROJECTIONS)) and decoded[0].result_error == 0.0
+    report.result, report.result_error = np.arange(rc.PROJECTIONS, dtype=float), 0.25
+    decoded = rc.decode_report(rc.encode_report([report, None, None], parts), parts)[0]
+    assert np.array_equal(decoded.result, report.result) and decoded.result_error == 0.25
     claims = rc.ReducerClaims(777.0, np.ones((3, rc.PROJECTIONS)), np.full(3, 0.1), np.full((3, 2), 0.25),
-                              np.ones((3, 2)))
+                              np.ones((3, 2)), np.full(rc.PROJECTIONS, 2.0), 0.5)
     block = rc.encode_claims(claims, 2, 3)
-    assert len(block) == rc.claims_length(2, 3) == 2 + 3 * (rc.PROJECTIONS + 5) and rc.claims_length(0, 3) == 0
+    assert len(block) == rc.claims_length(2, 3) == 3 + rc.PROJECTIONS + 3 * (rc.PROJECTIONS + 5)
+    assert rc.claims_length(0, 3) == 0
     back = rc.decode_claims(block, 2, 3)
     assert back.digest == 777.0 and np.array_equal(back.coefficients, claims.coefficients)
     assert np.array_equal(back.projections, claims.projections) and np.array_equal(back.distances, claims.distances)
+    assert np.array_equal(back.result, claims.result) and back.result_error == 0.5
     assert rc.decode_claims(np.zeros(len(block)), 2, 3) is None
+    row = 3 + rc.PROJECTIONS  # where the first sender's row begins
     for mutate in (lambda v: v[:-1], lambda v: np.where(np.arange(len(v)) == 1, 0.5, v),
                    lambda v: np.where(np.arange(len(v)) == 2, np.inf, v),
                    lambda v: np.where(np.arange(len(v)) == 0, 2.0, v),
-                   lambda v: np.where(np.arange(len(v)) == 2 + rc.PROJECTIONS, -1.0, v),
-                   lambda v: np.where(np.arange(len(v)) == 3 + rc.PROJECTIONS, 1.5, v)):
+                   lambda v: np.where(np.arange(len(v)) == 2 + rc.PROJECTIONS, -1.0, v),  # the result's error
+                   lambda v: np.where(np.arange(len(v)) == row + rc.PROJECTIONS, -1.0, v),  # a sender's error
+                   lambda v: np.where(np.arange(len(v)) == row + rc.PROJECTIONS + 1, 1.5, v)):  # a coefficient
         with pytest.raises(rc.MalformedReport):
             rc.decode_claims(mutate(block.copy()), 2, 3)
 
