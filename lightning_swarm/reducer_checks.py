@@ -338,3 +338,42 @@ def judge_slice(headers: Sequence[ResultHeader], reports: Sequence[Optional[Slic
         return Verdict(f"a member's report contradicts the reducer's claims about it ({reasons[0]})", BLAME_DISPUTE,
                        tuple(disputed))
     return Verdict(None)
+
+
+# a member that withholds its verification messages makes the round's slices unverifiable (refused, nobody blamed):
+# kept out once it did so in this many rounds, net of a quarter strike forgiven per round it was verified in
+WITHHOLDING_STRIKES = 3
+FORGIVEN_PER_VERIFIED_ROUND = 0.25
+
+
+class WithholdingRecord:
+    """Strikes of the members that withheld their verification messages (a commitment, a valid nonce, a well-formed
+    report) in rounds they otherwise completed (they sent their parts and reduced their slices: not a member that
+    died during the round), by member. A member that does so in ``strikes`` rounds, net of ``forgiven`` strike per
+    round it was verified in, is to be kept out: withholding used to cost nobody a seat, and a member could make a
+    reducer's slice unverifiable round after round. An honest member that misses the exchange now and then (a slow
+    or flaky link: fewer than one round in five by default) never gets there; one that died is counted once.
+
+    Args:
+        strikes: the strikes at which a member is to be kept out.
+        forgiven: strikes taken off per round in which the member was verified (its report came).
+    """
+
+    def __init__(self, strikes: int = WITHHOLDING_STRIKES, forgiven: float = FORGIVEN_PER_VERIFIED_ROUND):
+        if strikes < 1 or forgiven < 0:
+            raise ValueError(f"strikes must be >= 1 and forgiven >= 0, got {strikes!r}, {forgiven!r}")
+        self.strikes, self.forgiven = strikes, forgiven
+        self._strikes = {}
+
+    def withheld(self, member) -> bool:
+        """Count a round in which ``member`` withheld its messages; returns whether it is now to be kept out."""
+        self._strikes[member] = self._strikes.get(member, 0.0) + 1.0
+        return self._strikes[member] >= self.strikes
+
+    def verified(self, member) -> None:
+        """Count a round in which ``member``'s report came."""
+        if member in self._strikes:
+            self._strikes[member] = max(0.0, self._strikes[member] - self.forgiven)
+
+    def __getitem__(self, member) -> float:
+        return self._strikes.get(member, 0.0)

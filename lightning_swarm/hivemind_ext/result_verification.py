@@ -22,7 +22,9 @@ The arithmetic is :mod:`lightning_swarm.reducer_checks`; this is the plumbing ar
   refuses its join requests, a member leaves a group that holds it); where a member's report contradicts the
   reducer's claim about it (a dispute: one of the two lies), both are kept out, each logged naming the other. A
   slice that can't be checked (a report or the claims missing or malformed) is not applied either, and nobody is
-  excluded for it.
+  blamed for it in that round; a member that withholds its messages (a commitment, a valid nonce, a well-formed
+  report) in rounds it otherwise completed is kept out after a few such rounds
+  (:class:`~lightning_swarm.reducer_checks.WithholdingRecord`).
 
 Each message is a call that the callee answers with its own message of the same phase (once it has one, within the
 timeout), so a pair with one reachable member exchanges both ways in one call: a client-mode member (it accepts no
@@ -175,6 +177,7 @@ class ReportMailbox:
         self._excluded_shared: Dict[PeerID, str] = {}
         self._exclusions_seen: Tuple[int, int] = (-1, -1)
         self._warned_client_groups = False
+        self._withholding = rc.WithholdingRecord()
         self._sending: Set[asyncio.Task] = set()  # verification messages sent without waiting for them
         super().__init__(*args, **kwargs)
 
@@ -247,6 +250,12 @@ class ReportMailbox:
                 except OSError as e:
                     log.warning(f"[lightning_swarm] averaging: could not share the exclusion of {peer} with this "
                                 f"peer's other averagers: {e!r}")
+
+    def _withheld(self, peers: Sequence[PeerID], what: str) -> None:
+        for peer in peers:
+            if self._withholding.withheld(peer):
+                self.exclude_peer(peer, f"it withheld its verification messages ({what}, the last time) in "
+                                        f"{self._withholding[peer]:g} rounds net of those it was verified in")
 
     def open_mailbox(self, group_id: bytes, members: Sequence[PeerID]) -> None:
         while len(self._mailboxes) >= MAX_MAILBOXES:
@@ -342,6 +351,7 @@ class ReportMailbox:
             missing = sorted(str(peer) for peer in others if peer not in commits)
             log.warning(f"[lightning_swarm] averaging: no verification this round (no commitment from {missing}): "
                         f"the other members' slices are not applied")
+            self._withheld([peer for peer in others if peer not in commits], "no commitment")
             return set(reducers)
         nonces = await phase(PHASE_NONCE, averaging_pb2.AveragingData(peer_id=nonce))
         nonces = {peer: value for peer, value in nonces.items()
@@ -350,6 +360,7 @@ class ReportMailbox:
             missing = sorted(str(peer) for peer in others if peer not in nonces)
             log.warning(f"[lightning_swarm] averaging: no verification this round (no valid nonce from {missing}): "
                         f"the other members' slices are not applied")
+            self._withheld([peer for peer in others if peer not in nonces], "no valid nonce")
             return set(reducers)
         nonces[runner.peer_id] = nonce
         seed = hashlib.sha256(group_id + b"".join(nonces[peer] for peer in members)).digest()
@@ -369,6 +380,10 @@ class ReportMailbox:
             except rc.MalformedReport as e:
                 decoded.pop(peer, None)
                 log.warning(f"[lightning_swarm] averaging: refused the verification report of {peer}: {e}")
+        self._withheld([peer for peer in others if peer not in decoded], "no well-formed report")
+        for peer in others:
+            if peer in decoded:
+                self._withholding.verified(peer)
         refused = set()
         for r in reducers:
             reducer = peers[r]

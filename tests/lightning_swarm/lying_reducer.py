@@ -3,7 +3,8 @@
 The liar runs the honest reducer code and states its honest header, but adds ``--lie`` to every result it sends
 (``large``: 100 on every value; ``subtle``: 16 values of the slice, random Gaussian magnitudes, the whole of norm 50
 times one clipped sender's reach: the rest of the slice is the honest result). As a sender it sends its honest part.
-A framer (``--lie frame``) reduces honestly and sends false reports on the others' slices. Each peer averages one
+A framer (``--lie frame``) reduces honestly and sends false reports on the others' slices. A withholder (``--lie
+withhold``) averages honestly and sends no verification message (it applies what it got unchecked). Each peer averages one
 tensor of ``NUMEL`` values, ``base + 0.3 * noise(seed)``, uncompressed, with CenteredClip, in one group of 3.
 
 Usage (the first peer prints ``PEER <multiaddr>``; each prints ``PEER_ID <id>``, then ``DONE`` after its round):
@@ -69,13 +70,26 @@ def install_frame() -> None:
     reducer_checks.member_report = framing
 
 
+def install_withhold() -> None:
+    """Make this process take no part in the exchange of verification messages after each round (no commitment,
+    nonce or report; it applies the results unchecked): the other members can check no slice of that round."""
+    from lightning_swarm.hivemind_ext.result_verification import ReportMailbox
+
+    async def withholding(self, runner, group_id):
+        return set()
+
+    ReportMailbox.verify_results = withholding
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seed", type=int, required=True, help="seed of this peer's tensor")
     parser.add_argument("--out", required=True, help="safetensors file for the averaged tensor")
     parser.add_argument("--initial-peer", default=None, help="multiaddr of a peer to join (none: start a DHT)")
-    parser.add_argument("--lie", choices=("none", "large", "subtle", "frame"), default="none",
-                        help="this peer's reducer lies (large, subtle), or its reports on the others' slices (frame)")
+    parser.add_argument("--lie", choices=("none", "large", "subtle", "frame", "withhold"), default="none",
+                        help="this peer's reducer lies (large, subtle), its reports on the others' slices (frame), "
+                             "or it sends no verification message (withhold)")
+    parser.add_argument("--rounds", type=int, default=1, help="averaging rounds, one after the other")
     parser.add_argument("--no-verify", action="store_true", help="apply the reducers' results unchecked")
     parser.add_argument("--auxiliary", action="store_true",
                         help="an auxiliary peer: it reduces a slice but sends no part of its own")
@@ -101,6 +115,8 @@ def main() -> None:
 
     if args.lie == "frame":
         install_frame()
+    elif args.lie == "withhold":
+        install_withhold()
     elif args.lie != "none":
         install_lie(args.lie)
     dht = hivemind.DHT(initial_peers=[args.initial_peer] if args.initial_peer else None,
@@ -114,7 +130,9 @@ def main() -> None:
                         aggregation="centered_clip", verify_reducers=not args.no_verify,
                         client_mode=args.client_mode, auxiliary=args.auxiliary, start=True)
     print("PEER_ID", dht.peer_id, flush=True)
-    averager.step(timeout=args.timeout)
+    for round_number in range(args.rounds):
+        averager.step(timeout=args.timeout)
+        print("ROUND", round_number, flush=True)
     with averager.get_tensors() as tensors:
         save_file({"averaged": tensors[0].clone(), "input": tensor}, args.out)
     print("DONE", flush=True)

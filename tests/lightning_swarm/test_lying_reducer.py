@@ -3,7 +3,8 @@
 The honest peers refuse its slice, name it in the log and keep it out of their later groups; their tensors stay
 within the range of the inputs at every coordinate (the liar sends an honest part: only its reduction lies).
 Without the check the same lie lands in the honest peers' tensors (the test's control). Also: a liar that is an
-auxiliary peer, a group with one and with two client-mode members, and a framing member (false reports)."""
+auxiliary peer, a group with one and with two client-mode members, a framing member (false reports) and a member
+that withholds its verification messages."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ WORKER = Path(__file__).with_name("lying_reducer.py")
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_round(tmp_path: Path, lie: str, verify: bool = True, clients: int = 0, auxiliary: bool = False):
+def run_round(tmp_path: Path, lie: str, verify: bool = True, clients: int = 0, auxiliary: bool = False,
+              rounds: int = 1):
     """Start 2 honest peers and a liar (``clients``: how many of the second honest peer and the liar are in client
     mode; ``auxiliary``: the liar sends no part of its own); return (honest peers' (input, averaged), the liar's input, the liar's peer id, the honest peers' logs)."""
     extra = [] if verify else ["--no-verify"]
@@ -30,6 +32,7 @@ def run_round(tmp_path: Path, lie: str, verify: bool = True, clients: int = 0, a
         command = [sys.executable, str(WORKER), "--seed", str(seed), "--out", str(tmp_path / f"{seed}.safetensors"),
                    "--lie", role] + extra + (["--initial-peer", initial] if initial else [])
         command += (["--client-mode"] if client else []) + (["--auxiliary"] if auxiliary else [])
+        command += ["--rounds", str(rounds)]
         return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env=env, start_new_session=True)
 
@@ -148,3 +151,19 @@ def test_a_lying_auxiliary_reducer_is_caught(tmp_path):
         assert f"peer {liar_id} is kept out of this peer's later groups: its reduced slice failed" in log, log[-3000:]
         assert log.count("refused the slice reduced by") == 1, log[-3000:]
         assert float(peer["averaged"].max()) < 50
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_member_that_withholds_its_verification_messages_loses_its_seat(tmp_path):
+    """Three rounds of the same group; the third member averages honestly but sends no commitment, nonce or report:
+    each round the honest peers can check nothing (they apply neither other reducer's slice), and after the third
+    such round each keeps it out, naming it. Nobody is blamed for a lie."""
+    from lightning_swarm.reducer_checks import WITHHOLDING_STRIKES
+
+    honest, _, withholder_id, logs = run_round(tmp_path, "withhold", rounds=WITHHOLDING_STRIKES)
+    for peer, log in zip(honest, logs):
+        assert log.count(f"no commitment from ['{withholder_id}']") == WITHHOLDING_STRIKES, log[-3000:]
+        assert f"peer {withholder_id} is kept out of this peer's later groups: it withheld" in log, log[-3000:]
+        assert log.count("is kept out of this peer's later groups") == 1, log[-3000:]
+        assert "failed the check" not in log and "dispute" not in log, log[-3000:]

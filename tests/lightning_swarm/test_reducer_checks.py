@@ -497,3 +497,22 @@ def test_sign_vectors_are_fair_independent_signs(projections):
     assert float(signs.mean(dim=1).abs().max()) < 5 / 256
     correlations = (signs @ signs.T) / signs.shape[1] - torch.eye(projections)
     assert float(correlations.abs().max()) < 5 / 256
+
+
+def test_withholding_strikes_keep_out_a_member_that_withholds_often_and_forgive_one_that_rarely_does():
+    record = rc.WithholdingRecord(strikes=3, forgiven=0.25)
+    assert not record.withheld("w") and not record.withheld("w") and record.withheld("w")  # kept out at the 3rd
+    flaky = [record.withheld("f") for _ in range(1)]
+    for round_number in range(200):  # misses one round in five, verified in the other four
+        for _ in range(4):
+            record.verified("f")
+        flaky.append(record.withheld("f"))
+    assert not any(flaky) and record["f"] <= 1.0
+    kept_out = []
+    for _ in range(20):  # withholds one round in four: 1 strike up, 3/4 down per four rounds, kept out in the end
+        kept_out.append(record.withheld("q"))
+        for _ in range(3):
+            record.verified("q")
+    assert kept_out.index(True) == 8  # 1 + 8 * 0.25 = 3 strikes
+    with pytest.raises(ValueError):
+        rc.WithholdingRecord(strikes=0)
