@@ -20,7 +20,8 @@ succeeded:
 - if it is alone in the swarm, there is nothing to merge with: its state is the swarm's.
 
 A peer that arrives at the swarm's epoch when it is ending (after a download or a catch-up, the swarm's samples for
-it are complete: its peers' rounds are under way) sits that epoch out: no global step, no pre-scheduled round, its
+it are complete: its peers' rounds are under way; after a download, also when its end is due within 1.5
+``matchmaking_time``: its peers' rounds are pre-scheduled) sits that epoch out: no global step, no pre-scheduled round, its
 samples accumulate, and when the swarm enters the next epoch it follows and ends that one with its peers. Stepping
 at once, its round (matched per epoch, :mod:`~lightning_swarm.hivemind_ext.epoch_rounds`) found its groupmates gone;
 it fell an epoch behind, caught up at the end of the next epoch, and so on (in CI a peer lost 10 epochs that way).
@@ -40,6 +41,7 @@ import time
 from typing import Any, Dict, Optional, Tuple
 
 from hivemind.averaging.control import StepControl
+from hivemind.utils import get_dht_time
 from hivemind.optim.state_averager import TrainingStateAverager
 
 log = logging.getLogger(__name__)
@@ -161,7 +163,7 @@ class CatchUpAfterDownload:
         if self.max_stale_epochs:
             # the tracker's epoch is as old as the download (hivemind pauses its updates meanwhile): fetch it now
             self.tracker.fetch_global_progress()
-            self._catch_up(loaded)
+            self._catch_up(loaded, after_download=True)
 
     def step(self, *args, **kwargs):
         averager = self.state_averager
@@ -199,11 +201,17 @@ class CatchUpAfterDownload:
             return False
         return True
 
-    def _sit_out_if_ending(self) -> None:
-        """Sit out the current epoch if the swarm's samples for it are complete (its peers' rounds are under way).
-        Not when it is merely close to its end: a swarm whose epochs are shorter than ``matchmaking_time`` (a lone
-        peer stepping every second) then had the newcomer sit out every epoch (test_newcomer.py)."""
-        ending = self.tracker.global_progress.samples_accumulated >= self.tracker.target_batch_size
+    def _sit_out_if_ending(self, after_download: bool = False) -> None:
+        """Sit out the current epoch if the swarm's samples for it are complete (its peers' rounds are under way),
+        or, right after a download, if its end is due within 1.5 ``matchmaking_time`` (its peers have pre-scheduled
+        their rounds of the epoch: in an 8-peer test the newcomer's gradient round came too late for their group and
+        searched alone until ``averaging_timeout``, while its pre-scheduled state round held their group for 14 s).
+        Not when merely close to its end on a catch-up: a swarm whose epochs are shorter than ``matchmaking_time``
+        (a lone peer stepping every second) then had the newcomer sit out every epoch (test_newcomer.py)."""
+        progress = self.tracker.global_progress
+        ending = progress.samples_accumulated >= self.tracker.target_batch_size
+        if after_download and not ending:
+            ending = progress.eta_next_epoch - get_dht_time() <= 1.5 * self.matchmaking_time
         others = self.tracker.global_progress.num_peers - int(getattr(self.tracker, "_counted_itself", True))
         if self.auxiliary or others < 1 or not ending:  # (a newcomer without samples has no record yet)
             return
@@ -253,12 +261,12 @@ class CatchUpAfterDownload:
         for control in rounds.values():
             move(control, epoch if control.triggered else epoch + 1)
 
-    def _catch_up(self, state_epoch: int) -> bool:
+    def _catch_up(self, state_epoch: int, after_download: bool = False) -> bool:
         """Train at the swarm's epoch on the state of ``state_epoch`` if it is at most max_stale_epochs behind;
-        returns whether this peer is at the swarm's epoch now."""
+        returns whether this peer is at the swarm's epoch now (``after_download``: see :meth:`_sit_out_if_ending`)."""
         swarm_epoch = self.tracker.global_epoch
         if swarm_epoch <= self.local_epoch:
-            self._sit_out_if_ending()
+            self._sit_out_if_ending(after_download)
             return True
         behind = swarm_epoch - state_epoch
         if behind > self.max_stale_epochs:
@@ -276,5 +284,5 @@ class CatchUpAfterDownload:
         log.warning(f"[lightning_swarm] training at the swarm's epoch {swarm_epoch} on a state of epoch "
                     f"{state_epoch} ({behind} behind, at most max_stale_epochs={self.max_stale_epochs}): its "
                     "gradients count from now on, its next state averaging round brings it to its group's")
-        self._sit_out_if_ending()
+        self._sit_out_if_ending(after_download)
         return True

@@ -88,6 +88,12 @@ def test_many_peers_follow_one_process_through_churn(tmp_path):
         assert not swarm.leftovers_of(victim), "the killed peer's processes outlived its SIGKILL"
         wait_for(lambda: any(entered(e) for e in epoch_events([newcomer])), 120, "global step with the newcomer")
         wait_for(lambda: swarm_epoch() >= 6, 60, "global epoch 6")
+
+        def merged_or_current() -> bool:  # a newcomer on an older state than the swarm's until its merge (catch_up)
+            text = newcomer.log()
+            return bool(MERGED.search(text)) or not CAUGHT_UP.search(text)
+
+        wait_for(merged_or_current, 60, "merge of the newcomer's downloaded state")
         swarm.set_stop_time(time.time())
         swarm.wait(grace=60)
     assert swarm.leftovers() == []
