@@ -228,19 +228,21 @@ def _contradiction(report: SliceReport, claims: ReducerClaims, sender: int, mode
         return "a distance to the result beyond the one it got"
     if any(mode == MODE_KEEP and distance > 0 for mode, distance in zip(modes, report.distances)):
         return "a changed part where no sender was accepted"
-    difference = report.projections - claims.projections[sender]
-    bound = report.error + float(claims.errors[sender])
-    statistic = float(np.sum(difference ** 2))
-    if statistic > limit * bound ** 2:
-        return (f"a residual that projects {math.sqrt(statistic / len(difference)):.4g} per vector away from the "
-                f"reducer's claim where at most {bound:.4g} fits")
+    reason = _apart("a residual", report.projections - claims.projections[sender],
+                    report.error + float(claims.errors[sender]), limit)
+    if reason is not None:
+        return reason
     # the result itself: a member with no mass in a part (b_j = 0) has no residual there to tell a lie told to it
     projections = len(report.projections)
-    difference = report.result_projections(projections) - claims.result_projections(projections)
-    bound = report.result_error + claims.result_error
+    return _apart("a result", report.result_projections(projections) - claims.result_projections(projections),
+                  report.result_error + claims.result_error, limit)
+
+
+def _apart(what: str, difference: np.ndarray, bound: float, limit: float) -> Optional[str]:
+    """How two projections of the same vector differ beyond ``bound`` by :func:`chernoff_limit` (None: they agree)."""
     statistic = float(np.sum(difference ** 2))
     if statistic > limit * bound ** 2:
-        return (f"a result that projects {math.sqrt(statistic / len(difference)):.4g} per vector away from the "
+        return (f"{what} that projects {math.sqrt(statistic / len(difference)):.4g} per vector away from the "
                 f"reducer's claim where at most {bound:.4g} fits")
     return None
 

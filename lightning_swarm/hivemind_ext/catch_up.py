@@ -41,8 +41,8 @@ import time
 from typing import Any, Dict, Optional, Tuple
 
 from hivemind.averaging.control import StepControl
-from hivemind.utils import get_dht_time
 from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.utils import get_dht_time
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ class CatchUpAfterDownload:
         ending = progress.samples_accumulated >= self.tracker.target_batch_size
         if after_download and not ending:
             ending = progress.eta_next_epoch - get_dht_time() <= 1.5 * self.matchmaking_time
-        others = self.tracker.global_progress.num_peers - int(getattr(self.tracker, "_counted_itself", True))
+        others = progress.num_peers - int(getattr(self.tracker, "_counted_itself", True))
         if self.auxiliary or others < 1 or not ending:  # (a newcomer without samples has no record yet)
             return
         if self.tracker.global_epoch != self.local_epoch:

@@ -348,19 +348,19 @@ class ReportMailbox:
 
         commits = await phase(PHASE_COMMIT, averaging_pb2.AveragingData(peer_id=hashlib.sha256(nonce).digest()))
         if len(commits) < len(others):  # a member left: nothing can be checked, and waiting more changes nothing
-            missing = sorted(str(peer) for peer in others if peer not in commits)
-            log.warning(f"[lightning_swarm] averaging: no verification this round (no commitment from {missing}): "
-                        f"the other members' slices are not applied")
-            self._withheld([peer for peer in others if peer not in commits], "no commitment")
+            absent = [peer for peer in others if peer not in commits]
+            log.warning(f"[lightning_swarm] averaging: no verification this round (no commitment from "
+                        f"{sorted(map(str, absent))}): the other members' slices are not applied")
+            self._withheld(absent, "no commitment")
             return set(reducers)
         nonces = await phase(PHASE_NONCE, averaging_pb2.AveragingData(peer_id=nonce))
         nonces = {peer: value for peer, value in nonces.items()
                   if peer in commits and hashlib.sha256(value).digest() == commits[peer]}
         if len(nonces) < len(others):
-            missing = sorted(str(peer) for peer in others if peer not in nonces)
-            log.warning(f"[lightning_swarm] averaging: no verification this round (no valid nonce from {missing}): "
-                        f"the other members' slices are not applied")
-            self._withheld([peer for peer in others if peer not in nonces], "no valid nonce")
+            absent = [peer for peer in others if peer not in nonces]
+            log.warning(f"[lightning_swarm] averaging: no verification this round (no valid nonce from "
+                        f"{sorted(map(str, absent))}): the other members' slices are not applied")
+            self._withheld(absent, "no valid nonce")
             return set(reducers)
         nonces[runner.peer_id] = nonce
         seed = hashlib.sha256(group_id + b"".join(nonces[peer] for peer in members)).digest()
@@ -380,10 +380,10 @@ class ReportMailbox:
             except rc.MalformedReport as e:
                 decoded.pop(peer, None)
                 log.warning(f"[lightning_swarm] averaging: refused the verification report of {peer}: {e}")
-        self._withheld([peer for peer in others if peer not in decoded], "no well-formed report")
         for peer in others:
             if peer in decoded:
                 self._withholding.verified(peer)
+        self._withheld([peer for peer in others if peer not in decoded], "no well-formed report")
         refused = set()
         for r in reducers:
             reducer = peers[r]
