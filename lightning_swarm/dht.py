@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
 from typing import List, Optional
 
 import hivemind
@@ -11,6 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_swarm import metrics as swarm_metrics
 from lightning_swarm.auth.peer import SwarmAuth
 from lightning_swarm.hivemind_ext.lifetime import SwarmDHT
+from lightning_swarm.hivemind_ext.relayed_messages import write_identity
 from lightning_swarm.peers import INITIAL_PEERS_ENV, join_message, reachable_maddrs
 
 log = logging.getLogger(__name__)
@@ -55,9 +59,19 @@ def start_peer_dht(
     validators = swarm_metrics.make_validators(run_id) if publish_metrics else []
     if swarm_auth is not None:
         validators = validators + [OwnerIsRequesterValidator()]
+    generated = None
+    if identity_path is None:
+        # a fresh identity whose key this peer holds (p2pd's own would be out of reach): client-mode members sign the
+        # verification messages that reachable members relay between them with it. Read by p2pd at start, then removed.
+        generated = tempfile.mkdtemp(prefix="lightning_swarm_identity_")
+        dht_kwargs["identity_path"] = os.path.join(generated, "identity.key")
+        identity_der = write_identity(dht_kwargs["identity_path"])
+        dht_kwargs["check_if_identity_free"] = False  # new: nobody holds it
     try:
         # SwarmDHT: its process and p2pd die with this one, also when it is SIGKILLed
         dht = SwarmDHT(initial_peers=initial_peers or None, start=True, record_validators=validators, **dht_kwargs)
+        if generated is not None:
+            dht.identity_key_der = identity_der
     except Exception as e:
         if not initial_peers:
             raise
@@ -66,6 +80,9 @@ def start_peer_dht(
                 "access token (HivemindStrategy(auth=...) or $LIGHTNING_SWARM_AUTH_*, see docs/security.md).")
         raise RuntimeError(f"[lightning_swarm] could not join run {run_id!r}: none of its initial peers "
                            f"answered ({e}).{hint}") from e
+    finally:
+        if generated is not None:
+            shutil.rmtree(generated, ignore_errors=True)
     if not client_mode:
         message = join_message(run_id, reachable_maddrs(dht.get_visible_maddrs()))
         log.info(message)

@@ -51,6 +51,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 
 from lightning_swarm import reducer_checks as rc
+from lightning_swarm.hivemind_ext import relayed_messages as relayed
 from lightning_swarm.hivemind_ext.result_records import ResultRecords, StatedResults, rounding_info
 from lightning_swarm.wire_checks import MalformedTensor, check_tensor_message, compression_name
 
@@ -111,7 +112,22 @@ class _Mailbox:
         self.members = set(members)
         self.messages: Dict[Tuple[int, PeerID], averaging_pb2.AveragingData] = {}
         self.own: Dict[int, averaging_pb2.AveragingData] = {}
+        # for relaying (set once this peer's check starts): the client-mode members whose messages it relays, the
+        # largest message each may send, and their signed records by phase and sender
+        self.inner_caps: Optional[Dict[PeerID, int]] = None
+        self.records: Dict[Tuple[int, PeerID], bytes] = {}
         self.changed = asyncio.Event()
+
+    def deposit(self, phase: int, sender: PeerID, record: bytes) -> None:
+        self.records.setdefault((phase, sender), record)
+        self.changed.set()
+
+    def relay_ready(self) -> bool:
+        return self.inner_caps is not None
+
+    def set_relaying(self, inner_caps: Dict[PeerID, int]) -> None:
+        self.inner_caps = inner_caps
+        self.changed.set()
 
     def put(self, phase: int, sender: PeerID, message: averaging_pb2.AveragingData) -> None:
         self.messages.setdefault((phase, sender), message)
@@ -134,6 +150,11 @@ class _Mailbox:
                 await asyncio.wait_for(self.changed.wait(), left)
             except asyncio.TimeoutError:
                 return
+
+    async def records_from(self, phase: int, senders: Sequence[PeerID], timeout: float) -> List[bytes]:
+        """The records of ``phase`` deposited by ``senders`` within ``timeout`` seconds (as soon as all are in)."""
+        await self._until(lambda: all((phase, peer) in self.records for peer in senders), timeout)
+        return [self.records[(phase, peer)] for peer in senders if (phase, peer) in self.records]
 
     async def own_message(self, phase: int, timeout: float) -> Optional[averaging_pb2.AveragingData]:
         """This peer's message of ``phase``, once it is posted (None after ``timeout`` seconds)."""
@@ -179,6 +200,11 @@ class ReportMailbox:
         self._warned_client_groups = False
         self._withholding = rc.WithholdingRecord()
         self._sending: Set[asyncio.Task] = set()  # verification messages sent without waiting for them
+        # the key of this peer's libp2p identity, to sign the messages reachable members relay to other client-mode
+        # members (DER bytes: the averager's process loads it once)
+        dht = kwargs.get("dht", args[1] if len(args) > 1 else None)
+        self._identity_der = relayed.identity_key_der(dht) if dht is not None else None
+        self._signing_key = None
         super().__init__(*args, **kwargs)
 
     def _exclusions_path(self) -> Optional[str]:
@@ -222,6 +248,32 @@ class ReportMailbox:
         # the answer is this peer's own message of that phase (a client-mode caller can't be called back)
         answer = await mailbox.own_message(int(request.weight), self.verification_timeout)
         return answer if answer is not None else averaging_pb2.AveragingData(code=averaging_pb2.NO_CODE)
+
+    async def rpc_reducer_relay(self, request: averaging_pb2.AveragingData, context: P2PContext
+                                ) -> averaging_pb2.AveragingData:
+        """A client-mode member deposits its signed message of a phase (``peer_id``: the record) and gets the records
+        of the group's other client-mode members for that phase, once all are in or within the timeout."""
+        mailbox = self._mailboxes.get(request.group_id)
+        if mailbox is None or context.remote_id not in mailbox.members or request.weight not in (1.0, 2.0, 3.0):
+            return averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+        phase = int(request.weight)
+        await mailbox._until(mailbox.relay_ready, self.verification_timeout)
+        caps = mailbox.inner_caps
+        if caps is None or context.remote_id not in caps:
+            return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+        try:
+            signer, _ = relayed.open_record(bytes(request.peer_id), caps[context.remote_id])
+            if signer != context.remote_id:
+                raise relayed.MalformedRecord(f"signed by {signer}")
+        except relayed.MalformedRecord as e:
+            log.warning(f"[lightning_swarm] averaging: refused to relay a verification message of "
+                        f"{context.remote_id}: {e}")
+            return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+        mailbox.deposit(phase, context.remote_id, bytes(request.peer_id))
+        others = [peer for peer in caps if peer != context.remote_id]
+        records = await mailbox.records_from(phase, others, self.verification_timeout)
+        return averaging_pb2.AveragingData(group_id=request.group_id, weight=request.weight,
+                                           peer_id=relayed.pack_records(records))
 
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
                              ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
@@ -286,6 +338,49 @@ class ReportMailbox:
                 log.debug(f"could not send a verification message to {peer}: {e!r}")
         await asyncio.gather(*(send(peer) for peer in peers))
 
+    async def _relay_all(self, relays: Sequence[PeerID], message: averaging_pb2.AveragingData, mailbox: _Mailbox
+                         ) -> None:
+        """Deposit ``message``, signed, with each of ``relays`` (reachable members) and keep the other client-mode
+        members' messages of the same phase that each relays (checked: signed by a client-mode member of the group
+        other than this peer, within its size). A relay that serves an altered record is kept out: it checks each
+        record before keeping it, so it altered it."""
+        if not relays:
+            return
+        if self._signing_key is None:
+            self._signing_key = relayed.load_signing_key(self._identity_der)
+        inner = message.SerializeToString()
+        record = await asyncio.get_running_loop().run_in_executor(None, relayed.sign_record, self._signing_key, inner)
+        caps = dict(mailbox.inner_caps)
+        senders = [peer for peer in caps if peer != self.peer_id]
+        limit = relayed.record_cap(max(caps.values()))
+        phase = int(message.weight)
+
+        async def relay(peer):
+            try:
+                stub = type(self).get_stub(self._p2p, peer, namespace=self.prefix)
+                request = averaging_pb2.AveragingData(group_id=message.group_id, weight=message.weight, peer_id=record)
+                answer = await asyncio.wait_for(stub.rpc_reducer_relay(request), 2 * self.verification_timeout)
+            except Exception as e:  # the others' messages may still come through another relay
+                log.debug(f"could not relay through {peer}: {e!r}")
+                return
+            if answer.group_id != message.group_id or answer.weight != message.weight:
+                return
+            try:
+                records = relayed.unpack_records(bytes(answer.peer_id), len(senders), limit)
+                for item in records:
+                    signer, inner_bytes = relayed.open_record(item, max(caps.values()))
+                    if signer not in senders:
+                        raise relayed.MalformedRecord(f"signed by {signer}, not a client-mode member of the group")
+                    if len(inner_bytes) > caps[signer]:
+                        raise relayed.MalformedRecord(f"{len(inner_bytes)} bytes from {signer}")
+                    mailbox.put(phase, signer, averaging_pb2.AveragingData.FromString(inner_bytes))
+            except Exception as e:  # MalformedRecord, or a signed message protobuf can't parse (its signer's doing)
+                if isinstance(e, relayed.MalformedRecord):
+                    self.exclude_peer(peer, f"it relayed a verification message it altered or forged ({e})")
+                else:
+                    log.warning(f"[lightning_swarm] averaging: refused a relayed verification message: {e!r}")
+        await asyncio.gather(*(relay(peer) for peer in relays))
+
     async def verify_results(self, runner, group_id: bytes) -> Set[int]:
         """Run the exchange of a finished round's results with the other members (the senders, and reducers that
         send nothing) and check each other reducer's slice. Returns the indices (in the group's order) of the
@@ -301,17 +396,26 @@ class ReportMailbox:
         if runner.peer_id not in members or not others or not any(parts_by_reducer):
             return set()  # (a sender with no slice to check still reports: the others need its projections)
         modes = dict(zip(peers, runner.modes))
-        if sum(modes[peer] == AveragingMode.CLIENT for peer in senders) > 1:
-            # a client-mode member accepts no connection: it calls the others, and each answers with its own message,
-            # but two client-mode members can't reach each other (all members see the same modes: none of them runs
-            # the exchange). Such a group's results are applied unchecked.
-            if not self._warned_client_groups:
-                self._warned_client_groups = True
-                log.warning("[lightning_swarm] averaging: reducer results are not checked in groups with 2 or more "
-                            "client-mode members (they accept no connection, so they can't get each other's reports)")
-            return set()
         callees = [peer for peer in others if modes[peer] != AveragingMode.CLIENT]
+        clients = [peer for peer in members if modes[peer] == AveragingMode.CLIENT]
         mailbox = self._mailboxes[group_id]
+        rows = rc.report_length(parts_by_reducer)
+        lengths = {peer: rows + rc.claims_length(parts_by_reducer[peers.index(peer)], len(senders)) for peer in members}
+        relaying = len(clients) > 1
+        if relaying:
+            # two client-mode members can't reach each other: reachable members relay their messages, signed
+            # (:mod:`~lightning_swarm.hivemind_ext.relayed_messages`)
+            mailbox.set_relaying({peer: _message_cap(lengths[peer]) for peer in clients})
+            reachable = [peer for peer in members if modes[peer] != AveragingMode.CLIENT]
+            if not reachable or (runner.peer_id in clients and self._identity_der is None):
+                if not self._warned_client_groups:
+                    self._warned_client_groups = True
+                    log.warning("[lightning_swarm] averaging: reducer results are not checked in groups with 2 or "
+                                "more client-mode members where " + ("no member is reachable" if not reachable else
+                                "this peer has no RSA identity key to sign with (start its DHT with identity_path)"))
+                return set()
+        relays = callees if relaying and runner.peer_id in clients else []
+        heard_directly = [peer for peer in others if not (relays and peer in clients)]
         failed = _failed_members(runner, others)
         if failed:
             # a member that sent no part by next_chunk_timeout or reduced nothing (it died, most often) sends no
@@ -326,17 +430,16 @@ class ReportMailbox:
                 task = asyncio.create_task(self._send_all(suspects, skip, mailbox))
                 self._sending.add(task)
                 task.add_done_callback(self._sending.discard)
-            await self._send_all([peer for peer in callees if str(peer) not in failed], skip, mailbox)
+            await asyncio.gather(self._send_all([peer for peer in callees if str(peer) not in failed], skip, mailbox),
+                                 self._relay_all([peer for peer in relays if str(peer) not in failed], skip, mailbox))
             return set(reducers)
         timeout = self.verification_timeout
         nonce = os.urandom(NONCE_BYTES)
-        rows = rc.report_length(parts_by_reducer)
-        lengths = {peer: rows + rc.claims_length(parts_by_reducer[peers.index(peer)], len(senders)) for peer in members}
 
         async def phase(number: int, payload: averaging_pb2.AveragingData) -> Dict[PeerID, object]:
             payload.group_id, payload.weight = group_id, float(number)
             mailbox.post(number, payload)
-            await self._send_all(callees, payload, mailbox)
+            await asyncio.gather(self._send_all(callees, payload, mailbox), self._relay_all(relays, payload, mailbox))
             received = await mailbox.wait(number, others, timeout)
             parsed = {}
             for peer, message in received.items():
@@ -351,7 +454,7 @@ class ReportMailbox:
             absent = [peer for peer in others if peer not in commits]
             log.warning(f"[lightning_swarm] averaging: no verification this round (no commitment from "
                         f"{sorted(map(str, absent))}): the other members' slices are not applied")
-            self._withheld(absent, "no commitment")
+            self._withheld([peer for peer in absent if peer in heard_directly], "no commitment")
             return set(reducers)
         nonces = await phase(PHASE_NONCE, averaging_pb2.AveragingData(peer_id=nonce))
         nonces = {peer: value for peer, value in nonces.items()
@@ -360,7 +463,7 @@ class ReportMailbox:
             absent = [peer for peer in others if peer not in nonces]
             log.warning(f"[lightning_swarm] averaging: no verification this round (no valid nonce from "
                         f"{sorted(map(str, absent))}): the other members' slices are not applied")
-            self._withheld(absent, "no valid nonce")
+            self._withheld([peer for peer in absent if peer in heard_directly], "no valid nonce")
             return set(reducers)
         nonces[runner.peer_id] = nonce
         seed = hashlib.sha256(group_id + b"".join(nonces[peer] for peer in members)).digest()
@@ -383,7 +486,8 @@ class ReportMailbox:
         for peer in others:
             if peer in decoded:
                 self._withholding.verified(peer)
-        self._withheld([peer for peer in others if peer not in decoded], "no well-formed report")
+        # (a message only a relay could bring is not held against its sender: the relay may have dropped it)
+        self._withheld([peer for peer in heard_directly if peer not in decoded], "no well-formed report")
         refused = set()
         for r in reducers:
             reducer = peers[r]
@@ -443,6 +547,11 @@ def _member_reports(runner, seed: bytes, reducers: Sequence[int], senders: Seque
                                             first=index, signs=signs))
     merged = {r: rc.merge_reports(reports[r], [part.header for part in received[r]]) for r in received}
     return merged, (rc.merge_claims(claims, claimed) if claimed else None)
+
+
+def _message_cap(report_values: int) -> int:
+    """The largest serialized verification message of a member whose report has ``report_values`` values."""
+    return 8 * report_values + 1024
 
 
 def _failed_members(runner, others: Sequence[PeerID]) -> List[str]:

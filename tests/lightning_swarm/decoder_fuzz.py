@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 CODEC_TARGETS = ("NONE", "FLOAT16", "MEANSTD_16BIT", "UNIFORM_8BIT", "QUANTILE_8BIT", "BLOCKWISE_8BIT")
-TARGETS = CODEC_TARGETS + ("reducer_parts", "state_download", "progress_records", "reducer_reports")
+TARGETS = CODEC_TARGETS + ("reducer_parts", "state_download", "progress_records", "reducer_reports", "relayed_records")
 REPO = Path(__file__).resolve().parents[2]
 
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
@@ -621,12 +621,156 @@ def fuzz_reducer_reports(rng: random.Random, count: int) -> Outcome:
     return outcome
 
 
+def _spec_bundle(data: bytes, honest: Dict[bytes, Tuple[object, bytes]], max_count: int) -> Optional[list]:
+    """The (signer, inner) pairs a relay's answer must decode to, or None if it must be refused: an exact layout of
+    at most ``max_count`` records, each one of the honest records byte for byte (any other byte changes a signed
+    field, the key or the signature)."""
+    import struct
+
+    if len(data) < 2:
+        return None
+    (count,) = struct.unpack_from(">H", data)
+    if count > max_count:
+        return None
+    offset, out = 2, []
+    for _ in range(count):
+        if len(data) - offset < 4:
+            return None
+        (length,) = struct.unpack_from(">I", data, offset)
+        offset += 4
+        if length > len(data) - offset:
+            return None
+        record = data[offset:offset + length]
+        offset += length
+        if record not in honest:
+            return None
+        out.append(honest[record])
+    return out if offset == len(data) else None
+
+
+def fuzz_relayed_records(rng: random.Random, count: int) -> Outcome:
+    """Mutated relay answers (``relayed_messages.unpack_records``, then ``open_record`` on each record, as a
+    client-mode member reads them): bytes flipped, cut or added, each length field set to 0, all ones or a huge
+    value, records dropped or repeated, keys swapped, a record signed with a non-RSA key."""
+    import struct
+
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from lightning_swarm.hivemind_ext import relayed_messages as rm
+
+    outcome = Outcome("relayed_records")
+    keys = [rm.load_signing_key(_der_key(seed)) for seed in range(3)]
+    inner_cap = 200
+    honest: Dict[bytes, Tuple[object, bytes]] = {}
+    records = []
+    for index, key in enumerate(keys):
+        inner = bytes(rng.randrange(256) for _ in range(rng.choice((0, 40, inner_cap))))
+        record = rm.sign_record(key, inner)
+        public = key.public_key().public_bytes(serialization.Encoding.DER,
+                                               serialization.PublicFormat.SubjectPublicKeyInfo)
+        honest[record] = (rm.peer_id_of(public), inner)
+        records.append(record)
+    # a record of the right layout signed with an EC key (not RSA: refused)
+    ec_key = ec.generate_private_key(ec.SECP256R1())
+    ec_public = ec_key.public_key().public_bytes(serialization.Encoding.DER,
+                                                 serialization.PublicFormat.SubjectPublicKeyInfo)
+    ec_signature = ec_key.sign(rm.SIGNING_DOMAIN + b"x", ec.ECDSA(hashes.SHA256()))
+    ec_record = (struct.pack(">BI", 1, 1) + b"x" + struct.pack(">H", len(ec_public)) + ec_public
+                 + struct.pack(">H", len(ec_signature)) + ec_signature)
+    max_count, max_record = 3, rm.record_cap(inner_cap)
+    for index in range(count):
+        chosen = [rng.choice(records) for _ in range(rng.choice((0, 1, 2, 3)))]
+        done = []
+        if index >= 10:
+            kind = rng.choice(("flip", "cut", "extend", "count", "record_length", "inner_length", "key_length",
+                               "signature_length", "many", "swap_key", "ec"))
+            done.append(kind)
+            if kind == "many":
+                chosen = [rng.choice(records) for _ in range(rng.choice((4, 50)))]
+            elif kind == "ec":
+                chosen = chosen + [ec_record]
+            elif kind in ("inner_length", "key_length", "signature_length", "swap_key") and chosen:
+                position = rng.randrange(len(chosen))
+                record = bytearray(chosen[position])
+                inner_length = struct.unpack_from(">I", record, 1)[0]
+                key_at = 5 + inner_length
+                key_length = struct.unpack_from(">H", record, key_at)[0]
+                signature_at = key_at + 2 + key_length
+                value = rng.choice((0, 1, -1, 2 ** 15, 2 ** 31 - 1))
+                if kind == "inner_length":
+                    struct.pack_into(">I", record, 1, value % 2 ** 32)
+                elif kind == "key_length":
+                    struct.pack_into(">H", record, key_at, value % 2 ** 16)
+                elif kind == "signature_length":
+                    struct.pack_into(">H", record, signature_at, value % 2 ** 16)
+                else:  # another member's valid key in place of the signer's
+                    other = records[(records.index(chosen[position]) + 1) % len(records)]
+                    other_inner = struct.unpack_from(">I", other, 1)[0]
+                    other_key = other[5 + other_inner: 5 + other_inner + 2 + struct.unpack_from(">H", other, 5 + other_inner)[0]]
+                    record = record[:key_at] + bytearray(other_key) + record[signature_at:]
+                chosen[position] = bytes(record)
+        data = bytearray(rm.pack_records(chosen))
+        if index >= 10:
+            if done[0] == "flip" and data:
+                position = rng.randrange(len(data))
+                data[position] ^= 1 << rng.randrange(8)
+            elif done[0] == "cut" and data:
+                data = data[:rng.randrange(len(data))]
+            elif done[0] == "extend":
+                data += bytes(rng.randrange(256) for _ in range(rng.choice((1, 4, 100))))
+            elif done[0] == "count":
+                struct.pack_into(">H", data, 0, rng.choice((0, 1, 3, 4, 0xFFFF)))
+            elif done[0] == "record_length" and len(data) >= 6:
+                struct.pack_into(">I", data, 2, rng.choice((0, 1, 0xFFFFFFFF, 2 ** 31, max_record + 1)))
+        data = bytes(data)
+        expected = _spec_bundle(data, honest, max_count)
+        start = time.perf_counter()
+        try:
+            got = [rm.open_record(record, inner_cap) for record in rm.unpack_records(data, max_count, max_record)]
+        except rm.MalformedRecord:
+            got = None
+        except Exception as e:
+            got = None
+            outcome.errors += 1
+            outcome.violation(f"{'; '.join(done) or 'honest'}: {type(e).__name__}: {str(e)[:120]}")
+        outcome.slowest = max(outcome.slowest, time.perf_counter() - start)
+        outcome.messages += 1
+        if got is not None:
+            outcome.decoded += 1
+            if expected is None:
+                outcome.violation(f"{'; '.join(done)}: a malformed answer was accepted")
+            elif got != expected:
+                outcome.violation(f"{'; '.join(done)}: decoded other records than it holds")
+        else:
+            outcome.refused += 1
+            if expected is not None:
+                outcome.violation(f"{'; '.join(done) or 'honest'}: a well-formed answer was refused")
+    return outcome
+
+
+def _der_key(seed: int) -> bytes:
+    """An RSA identity key (DER), made once per seed and process."""
+    if seed not in _KEYS:
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import rsa
+
+        key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        _KEYS[seed] = key.private_bytes(serialization.Encoding.DER, serialization.PrivateFormat.TraditionalOpenSSL,
+                                        serialization.NoEncryption())
+    return _KEYS[seed]
+
+
+_KEYS: Dict[int, bytes] = {}
+
+
 FUZZERS: Dict[str, Callable[[random.Random, int], Outcome]] = {
     **{kind: (lambda kind: lambda rng, count: fuzz_codec(kind, rng, count))(kind) for kind in CODEC_TARGETS},
     "reducer_parts": fuzz_reducer_parts,
     "state_download": fuzz_state_download,
     "progress_records": fuzz_progress_records,
     "reducer_reports": fuzz_reducer_reports,
+    "relayed_records": fuzz_relayed_records,
 }
 
 

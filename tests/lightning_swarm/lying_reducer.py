@@ -18,7 +18,9 @@ A peer stays online after ``DONE`` until its stdin is closed.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
+import os
 import sys
 
 import torch
@@ -81,14 +83,40 @@ def install_withhold() -> None:
     ReportMailbox.verify_results = withholding
 
 
+def install_tamper() -> None:
+    """Make this process, as a relay of client-mode members' verification messages, alter every record it serves
+    (one byte of the signed message flipped; it reduces and reports honestly)."""
+    from lightning_swarm.hivemind_ext import relayed_messages
+    from lightning_swarm.hivemind_ext.result_verification import ReportMailbox
+
+    honest = ReportMailbox.rpc_reducer_relay
+
+    @functools.wraps(honest)  # hivemind reads the handler's type annotations
+    async def tampering(self, request, context):
+        answer = await honest(self, request, context)
+        if answer.peer_id:
+            records = relayed_messages.unpack_records(bytes(answer.peer_id), 64, 1 << 24)
+            altered = []
+            for record in records:
+                record = bytearray(record)
+                record[10] ^= 0xFF  # inside the signed message
+                altered.append(bytes(record))
+            answer.peer_id = relayed_messages.pack_records(altered)
+        return answer
+
+    ReportMailbox.rpc_reducer_relay = tampering
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seed", type=int, required=True, help="seed of this peer's tensor")
     parser.add_argument("--out", required=True, help="safetensors file for the averaged tensor")
     parser.add_argument("--initial-peer", default=None, help="multiaddr of a peer to join (none: start a DHT)")
-    parser.add_argument("--lie", choices=("none", "large", "subtle", "frame", "withhold"), default="none",
+    parser.add_argument("--lie", choices=("none", "large", "subtle", "frame", "withhold", "tamper"), default="none",
                         help="this peer's reducer lies (large, subtle), its reports on the others' slices (frame), "
-                             "or it sends no verification message (withhold)")
+                             "it sends no verification message (withhold), or it alters the messages it relays "
+                             "between client-mode members (tamper)")
+    parser.add_argument("--group-size", type=int, default=3, help="peers in the group")
     parser.add_argument("--rounds", type=int, default=1, help="averaging rounds, one after the other")
     parser.add_argument("--no-verify", action="store_true", help="apply the reducers' results unchecked")
     parser.add_argument("--auxiliary", action="store_true",
@@ -107,6 +135,7 @@ def main() -> None:
     from hivemind.averaging import DecentralizedAverager
     from hivemind.compression import NoCompression
 
+    from lightning_swarm.hivemind_ext.relayed_messages import write_identity
     from lightning_swarm.hivemind_ext.robust_allreduce import RobustAveraging
     from lightning_swarm.hivemind_ext.round_groups import PatientGroupRegistration
 
@@ -120,15 +149,25 @@ def main() -> None:
         install_frame()
     elif args.lie == "withhold":
         install_withhold()
+    elif args.lie == "tamper":
+        install_tamper()
     elif args.lie != "none":
         install_lie(args.lie)
+    # an identity whose key this peer holds, as the strategy's peers have: client-mode members sign the messages
+    # that reachable members relay between them with it
+    identity = args.out + ".identity"
+    if os.path.exists(identity):
+        os.remove(identity)
+    write_identity(identity)
     dht = hivemind.DHT(initial_peers=[args.initial_peer] if args.initial_peer else None,
-                       host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=args.client_mode, start=True)
+                       host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=args.client_mode, identity_path=identity,
+                       check_if_identity_free=False, start=True)
     if not args.initial_peer:
         print("PEER", dht.get_visible_maddrs()[0], flush=True)
     tensor = make_tensor(args.seed)
-    averager = Averager([tensor.clone()], dht=dht, prefix="lying_reducer_test", target_group_size=3,
-                        min_group_size=3, min_matchmaking_time=3.0, request_timeout=1.0, compression=NoCompression(),
+    averager = Averager([tensor.clone()], dht=dht, prefix="lying_reducer_test",
+                        target_group_size=args.group_size, min_group_size=args.group_size, min_matchmaking_time=3.0,
+                        request_timeout=1.0, compression=NoCompression(),
                         part_size_bytes=2 ** 14,  # 8 parts of 4096 values: each peer reduces some
                         aggregation="centered_clip", verify_reducers=not args.no_verify,
                         client_mode=args.client_mode, auxiliary=args.auxiliary, start=True)

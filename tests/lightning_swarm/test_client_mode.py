@@ -26,7 +26,8 @@ def test_client_mode_peers_train_with_a_reachable_one(tmp_path, peers):
     together: no client-mode peer dies at its first global step (hivemind 1.1.12's inverted ``client_mode``
     derivation made it set a state sharing priority its averagers refuse), all three reach epoch 3, the client-mode
     peers took the reachable peer's parameters when they joined, and all end every epoch with the same finite
-    parameters (the reachable peer reduces every part: client-mode peers accept no connection)."""
+    parameters (the reachable peer reduces every part: client-mode peers accept no connection), its results checked
+(the client-mode peers' verification messages relayed by the reachable peer)."""
     recorder = {"stop_at_epoch": 3, "max_seconds": 120, "barrier_dir": str(tmp_path / "barrier"), "barrier_count": 3}
     common = dict(model={"step_delay": 0.02}, recorder=recorder)
     reachable = Peer(tmp_path, "reachable", strategy_args("nat", 48), data={"batch_size": 4}, **common)
@@ -50,6 +51,9 @@ def test_client_mode_peers_train_with_a_reachable_one(tmp_path, peers):
     for client in clients:
         log = client.log()
         assert "State sharing priority is unused" not in log and "cannot share its state" not in log, log[-3000:]
+    for peer in (reachable, *clients):  # the reducer's results were checked: the reachable peer relayed
+        log = peer.log()
+        assert "not checked" not in log and "refused the slice" not in log and "kept out" not in log, log[-3000:]
     for epoch in (1, 2, 3):
         expected = reachable.params(epoch)
         for client in clients:

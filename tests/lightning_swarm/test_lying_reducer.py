@@ -3,8 +3,9 @@
 The honest peers refuse its slice, name it in the log and keep it out of their later groups; their tensors stay
 within the range of the inputs at every coordinate (the liar sends an honest part: only its reduction lies).
 Without the check the same lie lands in the honest peers' tensors (the test's control). Also: a liar that is an
-auxiliary peer, a group with one and with two client-mode members, a framing member (false reports) and a member
-that withholds its verification messages."""
+auxiliary peer, a group with one and with two client-mode members (their messages relayed, signed, by the reachable
+ones), a relay that alters what it relays, a framing member (false reports) and a member that withholds its
+verification messages."""
 
 from __future__ import annotations
 
@@ -22,15 +23,21 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def run_round(tmp_path: Path, lie: str, verify: bool = True, clients: int = 0, auxiliary: bool = False,
-              rounds: int = 1):
+              rounds: int = 1, roles: list[tuple[str, bool]] | None = None):
     """Start 2 honest peers and a liar (``clients``: how many of the second honest peer and the liar are in client
-    mode; ``auxiliary``: the liar sends no part of its own); return (honest peers' (input, averaged), the liar's input, the liar's peer id, the honest peers' logs)."""
+    mode; ``auxiliary``: the liar sends no part of its own), or the peers ``roles`` names ((lie, client mode) each;
+    the first one is reachable and the liar is the last one named with a lie); return (honest peers' (input,
+    averaged), the liar's input, the liar's peer id, the honest peers' logs)."""
     extra = [] if verify else ["--no-verify"]
     env = dict(os.environ, PYTHONPATH=str(REPO))
+    if roles is None:
+        roles = [("none", False), ("none", clients >= 1), (lie, clients >= 2)]
+    liar = max(index for index, (role, _) in enumerate(roles) if role != "none") if lie != "none" else len(roles) - 1
 
     def start(seed: int, initial: str | None, role: str, client: bool = False, auxiliary: bool = False):
         command = [sys.executable, str(WORKER), "--seed", str(seed), "--out", str(tmp_path / f"{seed}.safetensors"),
-                   "--lie", role] + extra + (["--initial-peer", initial] if initial else [])
+                   "--lie", role, "--group-size", str(len(roles))] + extra
+        command += (["--initial-peer", initial] if initial else [])
         command += (["--client-mode"] if client else []) + (["--auxiliary"] if auxiliary else [])
         command += ["--rounds", str(rounds)]
         return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -38,7 +45,7 @@ def run_round(tmp_path: Path, lie: str, verify: bool = True, clients: int = 0, a
 
     processes = []
     try:
-        first = start(0, None, "none")
+        first = start(0, None, roles[0][0])
         processes.append(first)
         lines = {0: []}
         for line in first.stdout:
@@ -46,8 +53,8 @@ def run_round(tmp_path: Path, lie: str, verify: bool = True, clients: int = 0, a
             if line.startswith("PEER "):
                 maddr = line.split()[1]
                 break
-        processes += [start(1, maddr, "none", client=clients >= 1),
-                      start(2, maddr, lie, client=clients >= 2, auxiliary=auxiliary)]
+        processes += [start(index, maddr, role, client=client, auxiliary=auxiliary and index == liar)
+                      for index, (role, client) in enumerate(roles) if index > 0]
         for index, process in enumerate(processes):
             lines.setdefault(index, [])
             for line in process.stdout:
@@ -64,12 +71,13 @@ def run_round(tmp_path: Path, lie: str, verify: bool = True, clients: int = 0, a
             if process.poll() is None:
                 process.kill()
                 process.wait()
-    logs = ["".join(lines[i]) for i in range(3)]
+    logs = ["".join(lines[i]) for i in range(len(roles))]
     for i, text in enumerate(logs):
         (tmp_path / f"peer{i}.log").write_text(text)
-    liar_id = next(line.split()[1] for line in logs[2].splitlines() if line.startswith("PEER_ID"))
-    results = [load_file(str(tmp_path / f"{seed}.safetensors")) for seed in range(3)]
-    return results[:2], results[2]["input"], liar_id, logs[:2]
+    liar_id = next(line.split()[1] for line in logs[liar].splitlines() if line.startswith("PEER_ID"))
+    results = [load_file(str(tmp_path / f"{seed}.safetensors")) for seed in range(len(roles))]
+    honest = [index for index in range(len(roles)) if index != liar]
+    return ([results[i] for i in honest], results[liar]["input"], liar_id, [logs[i] for i in honest])
 
 
 @pytest.mark.slow
@@ -131,13 +139,34 @@ def test_a_lying_reducer_is_caught_in_a_group_with_one_client_mode_member(tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_group_with_two_client_mode_members_is_not_checked(tmp_path):
-    """Two client-mode members (the second honest peer and the liar, which then reduces nothing) can't reach each
-    other: nothing is checked, and each averager says so once."""
-    honest, _, liar_id, logs = run_round(tmp_path, "large", clients=2)
+def test_a_lying_reducer_is_caught_in_a_group_with_two_client_mode_members(tmp_path):
+    """Two honest client-mode members can't reach each other: the reachable members (an honest one and the liar)
+    relay their verification messages, signed, so the check runs; every honest member refuses the liar's slice and
+    keeps it out, and the honest reducer's slice passes."""
+    roles = [("none", False), ("none", True), ("none", True), ("large", False)]
+    honest, _, liar_id, logs = run_round(tmp_path, "large", roles=roles)
     for peer, log in zip(honest, logs):
-        assert "not checked in groups with 2 or more client-mode members" in log, log[-3000:]
-        assert "refused the slice" not in log
+        assert "not checked" not in log, log[-3000:]
+        assert f"refused the slice reduced by {liar_id}" in log, log[-3000:]
+        assert f"peer {liar_id} is kept out of this peer's later groups: its reduced slice failed" in log, log[-3000:]
+        assert log.count("refused the slice reduced by") == 1, log[-3000:]
+        assert float(peer["averaged"].max()) < 50  # the lie (+100) was not applied
+        assert not torch.equal(peer["averaged"], peer["input"])  # the honest reducer's slice was
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_relay_that_alters_the_messages_it_relays_is_kept_out(tmp_path):
+    """A reachable member that alters every verification message it relays between the two client-mode members
+    (one byte of each signed message): each client-mode member finds the signature broken and keeps the relay out;
+    the honest relay's copies still arrive, so the round is checked and every honest slice applied."""
+    roles = [("none", False), ("none", True), ("none", True), ("tamper", False)]
+    honest, _, relay_id, logs = run_round(tmp_path, "tamper", roles=roles)
+    for index, (peer, log) in enumerate(zip(honest, logs)):
+        assert "refused the slice" not in log and "not checked" not in log, log[-3000:]
+        assert not torch.equal(peer["averaged"], peer["input"]), log[-3000:]
+        kept_out = f"peer {relay_id} is kept out of this peer's later groups: it relayed a verification message"
+        assert (kept_out in log) == (index in (1, 2)), log[-3000:]  # the client-mode members, who got its copies
 
 
 @pytest.mark.slow
