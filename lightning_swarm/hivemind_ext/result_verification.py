@@ -28,8 +28,11 @@ The arithmetic is :mod:`lightning_swarm.reducer_checks`; this is the plumbing ar
 
 Each message is a call that the callee answers with its own message of the same phase (once it has one, within the
 timeout), so a pair with one reachable member exchanges both ways in one call: a client-mode member (it accepts no
-connection) calls the others and nobody calls it. Two client-mode members can't reach each other: in a group with 2
-or more of them nothing is checked, and those results are applied as hivemind does.
+connection) calls the others and nobody calls it. Two client-mode members can't reach each other: each deposits its
+messages, signed with its identity key, with every reachable member (``rpc_reducer_relay``) and gets the other
+client-mode members' back (:mod:`~lightning_swarm.hivemind_ext.relayed_messages`). A relay can drop a message, not
+alter it: one that serves an altered record is kept out, and a message only relays could bring counts against
+nobody when it is missing.
 
 Private hivemind names used here are listed in :mod:`lightning_swarm.hivemind_ext.private_api`.
 """
