@@ -60,7 +60,9 @@ class HivemindStrategy(SingleDeviceStrategy):
             ``["/ip4/0.0.0.0/tcp/0"]``); use ``/ip4/0.0.0.0/tcp/31337`` for a fixed port.
         announce_maddrs: public addresses to tell other peers about (e.g. behind port forwarding).
         identity_path: file with this peer's private key, so its peer id (and thus the join address) stays the
-            same across restarts; created if missing. Useful for a bootstrap peer.
+            same across restarts; created if missing. Useful for a bootstrap peer. None: a fresh identity each run
+            (its key, RSA as hivemind makes them, signs the verification messages relayed between client-mode
+            peers; a given file must hold an RSA key for that too).
         client_mode: this peer can't accept incoming connections (behind NAT/firewall): it only connects out.
             Such peers contribute gradients but don't serve state to others.
         use_relay: allow connecting to peers through libp2p relays.
