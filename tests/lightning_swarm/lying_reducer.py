@@ -83,9 +83,9 @@ def install_withhold() -> None:
     ReportMailbox.verify_results = withholding
 
 
-def install_tamper() -> None:
+def install_tamper(drop: bool = False) -> None:
     """Make this process, as a relay of client-mode members' verification messages, alter every record it serves
-    (one byte of the signed message flipped; it reduces and reports honestly)."""
+    (one byte of the signed message flipped), or with ``drop`` serve none; it reduces and reports honestly."""
     from lightning_swarm.hivemind_ext import relayed_messages
     from lightning_swarm.hivemind_ext.result_verification import ReportMailbox
 
@@ -94,7 +94,9 @@ def install_tamper() -> None:
     @functools.wraps(honest)  # hivemind reads the handler's type annotations
     async def tampering(self, request, context):
         answer = await honest(self, request, context)
-        if answer.peer_id:
+        if answer.peer_id and drop:
+            answer.peer_id = relayed_messages.pack_records([])
+        elif answer.peer_id:
             records = relayed_messages.unpack_records(bytes(answer.peer_id), 64, 1 << 24)
             altered = []
             for record in records:
@@ -112,10 +114,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, required=True, help="seed of this peer's tensor")
     parser.add_argument("--out", required=True, help="safetensors file for the averaged tensor")
     parser.add_argument("--initial-peer", default=None, help="multiaddr of a peer to join (none: start a DHT)")
-    parser.add_argument("--lie", choices=("none", "large", "subtle", "frame", "withhold", "tamper"), default="none",
+    parser.add_argument("--lie", choices=("none", "large", "subtle", "frame", "withhold", "tamper", "drop"), default="none",
                         help="this peer's reducer lies (large, subtle), its reports on the others' slices (frame), "
                              "it sends no verification message (withhold), or it alters the messages it relays "
-                             "between client-mode members (tamper)")
+                             "between client-mode members (tamper) or drops them (drop)")
     parser.add_argument("--group-size", type=int, default=3, help="peers in the group")
     parser.add_argument("--rounds", type=int, default=1, help="averaging rounds, one after the other")
     parser.add_argument("--no-verify", action="store_true", help="apply the reducers' results unchecked")
@@ -149,8 +151,8 @@ def main() -> None:
         install_frame()
     elif args.lie == "withhold":
         install_withhold()
-    elif args.lie == "tamper":
-        install_tamper()
+    elif args.lie in ("tamper", "drop"):
+        install_tamper(drop=args.lie == "drop")
     elif args.lie != "none":
         install_lie(args.lie)
     # an identity whose key this peer holds, as the strategy's peers have: client-mode members sign the messages

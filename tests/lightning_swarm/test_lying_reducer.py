@@ -4,7 +4,7 @@ The honest peers refuse its slice, name it in the log and keep it out of their l
 within the range of the inputs at every coordinate (the liar sends an honest part: only its reduction lies).
 Without the check the same lie lands in the honest peers' tensors (the test's control). Also: a liar that is an
 auxiliary peer, a group with one and with two client-mode members (their messages relayed, signed, by the reachable
-ones), a relay that alters what it relays, a framing member (false reports) and a member that withholds its
+ones), a relay that alters or drops what it relays, a framing member (false reports) and a member that withholds its
 verification messages."""
 
 from __future__ import annotations
@@ -167,6 +167,20 @@ def test_a_relay_that_alters_the_messages_it_relays_is_kept_out(tmp_path):
         assert not torch.equal(peer["averaged"], peer["input"]), log[-3000:]
         kept_out = f"peer {relay_id} is kept out of this peer's later groups: it relayed a verification message"
         assert (kept_out in log) == (index in (1, 2)), log[-3000:]  # the client-mode members, who got its copies
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_relay_that_drops_the_messages_it_relays_makes_the_round_unverifiable(tmp_path):
+    """The only reachable member (and so the only reducer and relay) drops every record it should relay between the
+    two client-mode members: neither gets the other's messages, so neither can check the slice, and neither applies
+    it (their tensors keep their own values); nobody is kept out or struck for a message only a relay could bring."""
+    roles = [("drop", False), ("none", True), ("none", True)]
+    honest, _, relay_id, logs = run_round(tmp_path, "drop", roles=roles)
+    for peer, log in zip(honest, logs):
+        assert "no verification this round (no commitment from" in log, log[-3000:]
+        assert torch.equal(peer["averaged"], peer["input"]), log[-3000:]  # the slice was not applied
+        assert "kept out" not in log and "refused the slice" not in log, log[-3000:]
 
 
 @pytest.mark.slow
