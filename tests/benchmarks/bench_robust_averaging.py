@@ -21,7 +21,9 @@
    (default 0.5; "off": none).
 
    The robust variants check each reducer's result (issue 24 item 9) unless "+unverified" is in their name
-   (BENCH_VARIANTS=centered_clip,centered_clip+unverified,mean,mean+unverified: the check's cost side by side).
+   (BENCH_VARIANTS=centered_clip,centered_clip+unverified,mean,mean+unverified: the check's cost side by side);
+   "+clients" puts every peer but the first in client mode (the first then reduces every part and relays the
+   others' signed verification messages: BENCH_VARIANTS=centered_clip+clients,centered_clip+clients+unverified).
 Run: python tests/benchmarks/bench_robust_averaging.py [round|part|attacks|all]
      BENCH_REPEATS=5 BENCH_ROUNDS=3 python tests/benchmarks/bench_robust_averaging.py round   (5 x 3 rounds each)
      BENCH_AGGREGATIONS=mean python tests/benchmarks/bench_robust_averaging.py attacks
@@ -64,15 +66,25 @@ def round_peer(variant: str, initial_peer: str, rounds: int) -> None:
     class ScreenedAverager(RobustAveraging, DecentralizedAverager):
         pass
 
+    import tempfile
+
+    from lightning_swarm.hivemind_ext.relayed_messages import write_identity
+
     torch.set_num_threads(1)
+    # "+clients": every peer but the first in client mode (the first reduces everything and relays the others'
+    # verification messages, which they sign with their identity keys, as the strategy's peers do)
+    client_mode = "clients" in variant.split("+") and bool(initial_peer)
+    identity = os.path.join(tempfile.mkdtemp(prefix="bench_round_"), "identity.key")
+    write_identity(identity)
     dht = hivemind.DHT(initial_peers=[initial_peer] if initial_peer else None, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                       start=True)
+                       client_mode=client_mode, identity_path=identity, check_if_identity_free=False, start=True)
     if not initial_peer:
         print("MADDR", dht.get_visible_maddrs()[0], flush=True)
     generator = torch.Generator().manual_seed(os.getpid())
     tensors = [torch.randn(25_000_000 // 10, generator=generator) for _ in range(10)]
     options = dict(dht=dht, prefix=f"bench_robust_{variant}", target_group_size=NUM_PEERS, min_group_size=NUM_PEERS,
-                   min_matchmaking_time=3.0, request_timeout=1.0, compression=default_compression(), start=True)
+                   min_matchmaking_time=3.0, request_timeout=1.0, compression=default_compression(),
+                   client_mode=client_mode, start=True)
     if variant == "hivemind":
         averager = DecentralizedAverager(tensors, **options)
     else:
