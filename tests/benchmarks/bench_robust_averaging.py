@@ -62,8 +62,11 @@ def round_peer(variant: str, initial_peer: str, rounds: int) -> None:
     from lightning_swarm.aggregation import DEFAULT_MIN_ALIGNMENT
     from lightning_swarm.compression import default_compression
     from lightning_swarm.hivemind_ext.robust_allreduce import RobustAveraging
+    from lightning_swarm.hivemind_ext.round_groups import PatientGroupRegistration
 
-    class ScreenedAverager(RobustAveraging, DecentralizedAverager):
+    # as the strategy's averagers: a groupmate's part that arrives before this peer registered the group waits for
+    # it (without, a client-mode group sometimes lost every result, "received 0.0% results", and hung)
+    class ScreenedAverager(PatientGroupRegistration, RobustAveraging, DecentralizedAverager):
         pass
 
     import tempfile
