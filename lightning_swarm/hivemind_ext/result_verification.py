@@ -125,8 +125,10 @@ class _Mailbox:
         self.records.setdefault((phase, sender), record)
         self.changed.set()
 
-    def relay_ready(self) -> bool:
-        return self.inner_caps is not None
+    async def relaying(self, timeout: float) -> Optional[Dict[PeerID, int]]:
+        """The relayed members' size caps once this peer's check has set them (None after ``timeout`` seconds)."""
+        await self._until(lambda: self.inner_caps is not None, timeout)
+        return self.inner_caps
 
     def set_relaying(self, inner_caps: Dict[PeerID, int]) -> None:
         self.inner_caps = inner_caps
@@ -260,8 +262,7 @@ class ReportMailbox:
         if mailbox is None or context.remote_id not in mailbox.members or request.weight not in (1.0, 2.0, 3.0):
             return averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
         phase = int(request.weight)
-        await mailbox._until(mailbox.relay_ready, self.verification_timeout)
-        caps = mailbox.inner_caps
+        caps = await mailbox.relaying(self.verification_timeout)
         if caps is None or context.remote_id not in caps:
             return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
         try:
@@ -377,11 +378,10 @@ class ReportMailbox:
                     if len(inner_bytes) > caps[signer]:
                         raise relayed.MalformedRecord(f"{len(inner_bytes)} bytes from {signer}")
                     mailbox.put(phase, signer, averaging_pb2.AveragingData.FromString(inner_bytes))
-            except Exception as e:  # MalformedRecord, or a signed message protobuf can't parse (its signer's doing)
-                if isinstance(e, relayed.MalformedRecord):
-                    self.exclude_peer(peer, f"it relayed a verification message it altered or forged ({e})")
-                else:
-                    log.warning(f"[lightning_swarm] averaging: refused a relayed verification message: {e!r}")
+            except relayed.MalformedRecord as e:  # the relay checked each record before keeping it: its doing
+                self.exclude_peer(peer, f"it relayed a verification message it altered or forged ({e})")
+            except Exception as e:  # a signed message protobuf can't parse: its signer's doing
+                log.warning(f"[lightning_swarm] averaging: refused a relayed verification message: {e!r}")
         await asyncio.gather(*(relay(peer) for peer in relays))
 
     async def verify_results(self, runner, group_id: bytes) -> Set[int]:
