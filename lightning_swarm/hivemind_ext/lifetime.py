@@ -15,12 +15,16 @@ any multiprocessing start method (it starts in ``run``, in the child). Public hi
 
 from __future__ import annotations
 
+import logging
+import multiprocessing.connection
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+import weakref
+from concurrent.futures import InvalidStateError
 from typing import Dict, List, Optional
 
 import hivemind
@@ -117,5 +121,73 @@ class DiesWithParent:
         return super().run()
 
 
+class DHTProcessDied(RuntimeError):
+    """This peer's DHT process ended while the peer still used it: it can no longer reach the swarm."""
+
+
 class SwarmDHT(DiesWithParent, hivemind.DHT):
-    """hivemind.DHT (same arguments) whose process and p2p daemon die with the process that created it."""
+    """hivemind.DHT (same arguments) whose process and p2p daemon die with the process that created it, and whose
+    callers learn when that process dies first.
+
+    hivemind's calls (``get``, ``store``, ``run_coroutine``, ``add_validators``) wait for the DHT process's answer
+    with no timeout, so a DHT process that died (an exception in it, the OOM killer) left its trainer waiting forever.
+    Here a watchdog thread in the creating process waits for the DHT process to end; if it ends before ``shutdown``,
+    it logs the exit code once and fails every call waiting on it, and every later call, with :class:`DHTProcessDied`.
+    """
+
+    def run_in_background(self, await_ready: bool = True, timeout: Optional[float] = None) -> None:
+        self._waiting = weakref.WeakSet()  # futures of calls not answered yet (only in the creating process)
+        self._shutting_down = False
+        self._died: Optional[DHTProcessDied] = None
+        super().run_in_background(await_ready=await_ready, timeout=timeout)
+        threading.Thread(target=self._watch_process, name="lightning_swarm.dht_watchdog", daemon=True).start()
+
+    def run_coroutine(self, coro, return_future: bool = False):
+        return self._watched(super().run_coroutine, return_future, coro)
+
+    def get(self, key, latest: bool = False, return_future: bool = False, **kwargs):
+        return self._watched(super().get, return_future, key, latest=latest, **kwargs)
+
+    def store(self, key, value, expiration_time, subkey=None, return_future: bool = False, **kwargs):
+        return self._watched(super().store, return_future, key, value, expiration_time, subkey=subkey, **kwargs)
+
+    def _watched(self, call, return_future: bool, *args, **kwargs):
+        """hivemind's ``call(*args, return_future=True, **kwargs)``, failed with DHTProcessDied if the process dies."""
+        if os.getpid() != self._creator_pid or not hasattr(self, "_waiting"):  # a forked child, or not started here
+            return call(*args, return_future=return_future, **kwargs)
+        if self._died is not None:
+            raise self._died
+        future = call(*args, return_future=True, **kwargs)
+        self._waiting.add(future)
+        if self._died is not None:  # died while the request was sent: the watchdog may have missed this future
+            self._fail(future)
+        return future if return_future else future.result()
+
+    def shutdown(self) -> None:
+        self._shutting_down = True
+        super().shutdown()
+
+    def _watch_process(self) -> None:
+        multiprocessing.connection.wait([self.sentinel])
+        if self._shutting_down:
+            return
+        self.join(timeout=5.0)  # reaps the process, so that exitcode is known
+        self._died = DHTProcessDied(
+            f"[lightning_swarm] this peer's DHT process (pid {self.pid}) ended with exit code {self.exitcode}: the "
+            f"peer can no longer reach the swarm. Its output above says why; restart the peer to rejoin.")
+        logging.getLogger(__name__).error(str(self._died))
+        while True:
+            try:
+                waiting = list(self._waiting)
+                break
+            except RuntimeError:  # a call added a future meanwhile
+                continue
+        for future in waiting:
+            self._fail(future)
+
+    def _fail(self, future) -> None:
+        if not future.done():
+            try:
+                future.set_exception(self._died)
+            except InvalidStateError:  # answered meanwhile
+                pass

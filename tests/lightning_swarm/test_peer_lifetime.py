@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -10,8 +12,10 @@ import textwrap
 import time
 from pathlib import Path
 
+from hivemind.utils import get_dht_time
 import pytest
 
+from lightning_swarm.hivemind_ext.lifetime import DHTProcessDied, SwarmDHT
 from swarm_harness import Peer, wait_until
 
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
@@ -73,6 +77,38 @@ def test_dht_process_and_p2pd_die_with_their_creator(tmp_path):
         if session_processes(process.pid):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+
+
+async def _never_answers(dht, node):
+    await asyncio.sleep(3600)
+
+
+def test_calls_to_a_dht_whose_process_died_fail_instead_of_waiting_forever(caplog):
+    """hivemind's DHT calls wait for the DHT process's answer with no timeout: a DHT process that dies (here: killed)
+    left its trainer waiting forever. A SwarmDHT fails the call waiting on it and every later one, naming the exit
+    code, and logs it once; a DHT that was shut down logs nothing."""
+    dht = SwarmDHT(start=True, host_maddrs=LOCAL)
+    try:
+        assert dht.store("key", 1, get_dht_time() + 60) and dht.get("key").value == 1
+        waiting = dht.run_coroutine(_never_answers, return_future=True)
+        with caplog.at_level(logging.ERROR, logger="lightning_swarm.hivemind_ext.lifetime"):
+            os.kill(dht.pid, signal.SIGKILL)
+            with pytest.raises(DHTProcessDied, match=f"pid {dht.pid}.* exit code -9"):
+                waiting.result(timeout=10)
+            for call in (lambda: dht.get("key"), lambda: dht.store("key", 2, get_dht_time() + 60),
+                         lambda: dht.get_visible_maddrs()):
+                with pytest.raises(DHTProcessDied):
+                    call()
+        assert [record.levelno for record in caplog.records] == [logging.ERROR]
+    finally:
+        dht.shutdown()
+    healthy = SwarmDHT(start=True, host_maddrs=LOCAL)
+    with caplog.at_level(logging.ERROR, logger="lightning_swarm.hivemind_ext.lifetime"):
+        caplog.clear()
+        healthy.shutdown()
+        healthy.join(10)
+        time.sleep(0.5)  # the watchdog has seen the end
+    assert not caplog.records
 
 
 @pytest.mark.slow

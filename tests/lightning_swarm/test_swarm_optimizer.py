@@ -15,6 +15,7 @@ from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils import get_dht_time
 
+from lightning_swarm.hivemind_ext.lifetime import SwarmDHT
 from lightning_swarm.hivemind_ext.matchmaking import ThrottledPotentialLeaders, default_poll_interval
 from lightning_swarm.hivemind_ext.optimizer import SwarmGradientAverager, SwarmOptimizer, SwarmStateAverager
 
@@ -23,7 +24,7 @@ LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 
 @pytest.fixture
 def dht():
-    node = hivemind.DHT(start=True, host_maddrs=LOCAL)
+    node = SwarmDHT(start=True, host_maddrs=LOCAL)  # a DHT process that dies fails the test at once (no hang)
     yield node
     node.shutdown()
 
@@ -109,20 +110,24 @@ def test_lone_peer_does_not_preschedule_averaging(dht, optimizer_class, expect_s
         optimizer.shutdown()
 
 
-def test_the_process_keeps_its_interrupt_handler(dht):
+def test_the_process_keeps_its_interrupt_handler():
     """hivemind.Optimizer leaves SIGINT ignored in the process that made it (Ctrl+C and Jupyter's interrupt do
     nothing); SwarmOptimizer puts the handler back."""
     before = signal.getsignal(signal.SIGINT)
     after = {}
     for optimizer_class in (hivemind.Optimizer, SwarmOptimizer):
-        model = torch.nn.Linear(4, 1)
-        optimizer = optimizer_class(
-            dht=dht, run_id=f"sigint_{optimizer_class.__name__}", target_batch_size=64, batch_size_per_step=16,
-            optimizer=lambda params: torch.optim.SGD(params, lr=0.1), params=model.parameters(),
-            matchmaking_time=1.0, averaging_timeout=5.0, verbose=False)
-        after[optimizer_class] = signal.getsignal(signal.SIGINT)
-        signal.signal(signal.SIGINT, before)
-        optimizer.shutdown()
+        dht = SwarmDHT(start=True, host_maddrs=LOCAL)  # each its own: nothing of the first optimizer's is left
+        try:
+            model = torch.nn.Linear(4, 1)
+            optimizer = optimizer_class(
+                dht=dht, run_id=f"sigint_{optimizer_class.__name__}", target_batch_size=64, batch_size_per_step=16,
+                optimizer=lambda params: torch.optim.SGD(params, lr=0.1), params=model.parameters(),
+                matchmaking_time=1.0, averaging_timeout=5.0, verbose=False)
+            after[optimizer_class] = signal.getsignal(signal.SIGINT)
+            signal.signal(signal.SIGINT, before)
+            optimizer.shutdown()
+        finally:
+            dht.shutdown()
     assert after[hivemind.Optimizer] is signal.SIG_IGN and after[SwarmOptimizer] is before
 
 
