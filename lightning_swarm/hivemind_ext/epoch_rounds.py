@@ -7,7 +7,8 @@ averager under one group key and runs one search at a time, first come first ser
 round has to search again (its group fell apart, or it missed it), the next epoch's round searches first, under the
 same key, and can take a seat in a group of the current epoch: that group then waits for a trigger that comes one
 epoch later (``next_chunk_timeout`` lost by every member), and the round that missed its group searches alone until
-its deadline (``averaging_timeout``) while its peer waits for it (docs/swarm-at-scale.md has the logs).
+its deadline (``averaging_timeout``) while its peer waits for it (docs/notes/swarm-at-scale-measurements.md has
+the logs).
 
 - :class:`RoundEpochs` (averager mixin, in the averager's process): a round looks for its group under a key that
   names its epoch (``<prefix>_e<epoch>.0b<group bits>``), so rounds of different epochs never share a group. A

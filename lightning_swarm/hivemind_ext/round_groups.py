@@ -8,7 +8,7 @@ at a time: with ``delay_grad_averaging`` / ``delay_state_averaging`` an averager
 next epoch's round is pre-scheduled while the current one runs), another round has set the event already, and the
 part is refused at once with ``BAD_GROUP_ID``. The sender then drops us from its round, and our reducer waits
 ``next_chunk_timeout`` for a part that never comes: both end with a partial average, we a few seconds late
-(docs/swarm-at-scale.md has the logs).
+(docs/notes/swarm-at-scale-measurements.md has the logs).
 
 :class:`PatientGroupRegistration` lets such a part wait until its group is registered, at most the round's sender
 timeout (a sender later than that is dropped from the round anyway). Parts for a round this averager already

@@ -32,7 +32,7 @@ Run: python tests/benchmarks/bench_swarm.py [averaging|throughput|all|peers|over
      BENCH_PEER_COUNTS=4 BENCH_KEEP_DIR=/tmp/peers python tests/benchmarks/bench_swarm.py peers   (logs kept, verbose)
      BENCH_OVERLAP=0 BENCH_TARGET=8192 BENCH_PEER_COUNTS=4 python tests/benchmarks/bench_swarm.py peers   (synchronous)
      BENCH_TARGET=8192 BENCH_SECONDS=60 BENCH_WARMUP=20 python tests/benchmarks/bench_swarm.py overlap   (the table
-                                                                     of docs/swarm-at-scale.md, ~15 min)
+                                                  of docs/notes/swarm-at-scale-measurements.md, ~15 min)
      BENCH_OVERLAP_PEERS=8 BENCH_OVERLAP_VARIANTS=epoch,sync ... overlap   (8 peers, two variants)
      BENCH_PIN=1 python tests/benchmarks/bench_swarm.py throughput   (each peer with all its processes on its own core,
                                                                      like one peer per 1-core machine; alone too)

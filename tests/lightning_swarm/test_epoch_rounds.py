@@ -81,11 +81,12 @@ def test_rounds_of_different_epochs_never_share_a_group(averagers):
 
 @pytest.mark.slow
 def test_a_next_epoch_round_cannot_take_a_seat_in_the_current_epochs_group(averagers):
-    """Mechanism 2 of docs/swarm-at-scale.md. The first peer's round of epoch 3 searches alone (its groupmates are
-    gone) and holds its matchmaking; its round of epoch 4 is queued behind it. The second peer's round of epoch 4
-    searches meanwhile. Under hivemind's one key it takes a seat in the first peer's epoch-3 round (they average 1
-    and 3 into 2 as "epoch 3"), and the first peer's epoch-4 round then searches alone until its timeout. Here the
-    epoch-3 round finds nobody and fails at its timeout; the two epoch-4 rounds then group together."""
+    """Mechanism 2 of docs/notes/swarm-at-scale-measurements.md. The first peer's round of epoch 3 searches alone
+    (its groupmates are gone) and holds its matchmaking; its round of epoch 4 is queued behind it. The second peer's
+    round of epoch 4 searches meanwhile. Under hivemind's one key it takes a seat in the first peer's epoch-3 round
+    (they average 1 and 3 into 2 as "epoch 3"), and the first peer's epoch-4 round then searches alone until its
+    timeout. Here the epoch-3 round finds nobody and fails at its timeout; the two epoch-4 rounds then group
+    together."""
     first, second = averagers
     lonely = first.step(gather=3, timeout=LONE_TIMEOUT, require_trigger=True, wait=False)
     time.sleep(0.5)  # the epoch-3 round holds the first peer's matchmaking

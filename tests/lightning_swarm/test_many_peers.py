@@ -106,7 +106,8 @@ def test_many_peers_follow_one_process_through_churn(tmp_path):
         losses = sorted(e["loss"] for e in events if e["epoch"] == k)
         # half of step k's contraction: a lost, doubled or stale step, or a swarm stepping from a newcomer's wrong
         # state, is off by a whole step; one peer in N whose state round mixed in parameters one step old (hivemind
-        # groups state rounds of different epochs, see docs/swarm-at-scale.md) moves the mean by 1/N of a step
+        # groups state rounds of different epochs, see docs/notes/swarm-at-scale-measurements.md) moves the mean by
+        # 1/N of a step
         tolerance = ((reference[k - 1] / reference[k]) ** 0.5 - 1)
         assert tolerance > 0.1
         median = losses[len(losses) // 2]
