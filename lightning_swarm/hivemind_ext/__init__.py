@@ -84,8 +84,10 @@ Every private name used is listed in :data:`~lightning_swarm.hivemind_ext.privat
     - ``AllReduceRunner._get_peer_stub``: extended, a reducer's results are checked first (a malformed one keeps
       the local values of its slice); it reads ``TensorPartContainer._input_parts_by_peer``.
 ``finite_state`` (a downloaded state with NaN/Inf is refused): public API only (``load_state_from_peers``).
-``lifetime`` (the DHT's and the averagers' processes, and p2pd, die with the trainer, also on SIGKILL): public API only
-    (``run`` of hivemind's ``multiprocessing.Process`` subclasses, overridden to start a watchdog thread in the child).
+``lifetime`` (the DHT's and the averagers' processes, and p2pd, die with the trainer, also on SIGKILL; a DHT process
+    that dies first fails its trainer's calls): ``run`` of hivemind's ``multiprocessing.Process`` subclasses,
+    overridden to start a watchdog thread in the child, and the DHT's request pipe (``dht_pipe``):
+    - ``DHT._inner_pipe``, ``DHT._outer_pipe``: wrapped (requests read whole, sent one thread at a time).
 ``state`` (the monitor moving a state averager to another epoch)
     - ``TrainingStateAverager._update_scheduler``: steps the LR schedule to the new epoch.
     - ``ProgressTracker.training_progress_key``'s format: the monitor announces a reverted epoch under it.

@@ -29,6 +29,8 @@ from typing import Dict, List, Optional
 
 import hivemind
 
+from lightning_swarm.hivemind_ext.dht_pipe import SerializedRequests, WholeRequests
+
 DEFAULT_PARENT_POLL_INTERVAL = 0.5  # seconds: an orphan lives at most about this long (a few getppid() calls a second)
 
 
@@ -133,9 +135,16 @@ class SwarmDHT(DiesWithParent, hivemind.DHT):
     with no timeout, so a DHT process that died (an exception in it, the OOM killer) left its trainer waiting forever.
     Here a watchdog thread in the creating process waits for the DHT process to end; if it ends before ``shutdown``,
     it logs the exit code once and fails every call waiting on it, and every later call, with :class:`DHTProcessDied`.
+    Its requests are read whole, and sent one thread at a time (``dht_pipe``: a request read halfway killed hivemind's
+    DHT process).
     """
 
+    def run(self):
+        self._inner_pipe = WholeRequests(self._inner_pipe)  # in the DHT process (see dht_pipe)
+        return super().run()
+
     def run_in_background(self, await_ready: bool = True, timeout: Optional[float] = None) -> None:
+        self._outer_pipe = SerializedRequests(self._outer_pipe)  # (see dht_pipe)
         self._waiting = weakref.WeakSet()  # futures of calls not answered yet (only in the creating process)
         self._shutting_down = False
         self._died: Optional[DHTProcessDied] = None

@@ -99,6 +99,10 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
     + _symbols("hivemind.averaging.averager", "matchmaking", [
         ("DecentralizedAverager._matchmaking", "intercepted as hivemind assigns it, to swap in the throttled search"),
     ], instance=True)
+    + _symbols("hivemind.dht.dht", "lifetime", [
+        ("DHT._inner_pipe", "the DHT process's end of the request pipe, wrapped to read whole requests"),
+        ("DHT._outer_pipe", "the creator's end of the request pipe, wrapped to send one thread's request at a time"),
+    ], instance=True)
     + _symbols("hivemind.averaging.key_manager", "group_keys", [
         ("GroupKeyManager.update_key_on_not_enough_peers", "overridden: a peer alone under its key moves to another"),
     ])
