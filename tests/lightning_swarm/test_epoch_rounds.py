@@ -12,6 +12,7 @@ from lightning_swarm.hivemind_ext.epoch_rounds import (
     EpochGroupKeyManager, RoundEpochs, RoundEpochSender, epoch_group_prefix,
 )
 from lightning_swarm.hivemind_ext.group_keys import MovingGroupKeys
+from lightning_swarm.hivemind_ext.lifetime import SwarmDHT
 from lightning_swarm.hivemind_ext.optimizer import HivemindRpcNames, SwarmGradientAverager, SwarmStateAverager
 
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
@@ -42,8 +43,8 @@ def test_epoch_group_prefix():
 
 @pytest.fixture
 def averagers():
-    first = hivemind.DHT(start=True, host_maddrs=LOCAL)
-    dhts = [first, hivemind.DHT(start=True, host_maddrs=LOCAL, initial_peers=first.get_visible_maddrs())]
+    first = SwarmDHT(start=True, host_maddrs=LOCAL)
+    dhts = [first, SwarmDHT(start=True, host_maddrs=LOCAL, initial_peers=first.get_visible_maddrs())]
     made = [EpochAverager([torch.full((1000,), value)], dht=dht, prefix="epochs", start=True,
                           min_matchmaking_time=MATCHMAKING_TIME, request_timeout=1.0, next_chunk_timeout=5.0)
             for dht, value in zip(dhts, [1.0, 3.0])]

@@ -13,13 +13,14 @@ from hivemind.averaging.key_manager import GroupKeyManager
 
 from lightning_swarm.hivemind_ext.group_keys import MovingGroupKeyManager, moshpit_group_bits
 from lightning_swarm.strategy_options import hivemind_optimizer_options
+from lightning_swarm.hivemind_ext.lifetime import SwarmDHT
 
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 
 
 @pytest.fixture(scope="module")
 def dht():
-    node = hivemind.DHT(start=True, host_maddrs=LOCAL)
+    node = SwarmDHT(start=True, host_maddrs=LOCAL)
     yield node
     node.shutdown()
 

@@ -1,6 +1,7 @@
 """The seam to hivemind's private API: every private name it lists exists in the installed hivemind."""
 
 import ast
+import gc
 import inspect
 import re
 import subprocess
@@ -60,7 +61,15 @@ def test_every_private_symbol_is_used_inside_the_package():
 
 def _keyword_names(function) -> set:
     """Keyword argument names of the call returned by ``function`` (a method ``return Class(a=..., b=...)``)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    source = textwrap.dedent(inspect.getsource(function))
+    # no garbage collection while the AST is built: CPython 3.11's AST constructor keeps one recursion counter for all
+    # threads, and finalizers of earlier tests' objects (run by a collection inside it) can let another thread in,
+    # which raised "SystemError: AST constructor recursion depth mismatch" here once (CPython gh-106905)
+    gc.disable()
+    try:
+        tree = ast.parse(source)
+    finally:
+        gc.enable()
     returned = next(node for node in ast.walk(tree) if isinstance(node, ast.Return))
     return {keyword.arg for keyword in returned.value.keywords}
 

@@ -5,7 +5,6 @@ dashboard listens on 127.0.0.1 unless told otherwise, and a fuzzer of the decode
 import json
 import urllib.request
 
-import hivemind
 import pytest
 from hivemind.utils import get_dht_time
 
@@ -14,6 +13,7 @@ from lightning_swarm.metrics import LocalMetrics, metrics_key
 from lightning_swarm.monitor.aggregate import ContributionTable, RecordScreen, aggregate
 from lightning_swarm.monitor.dashboard import DashboardServer, DashboardState
 from lightning_swarm.monitor.records import MalformedRecord, MetricsDecoder, decode_metrics_record, fetch_metric_records
+from lightning_swarm.hivemind_ext.lifetime import SwarmDHT
 
 
 def record_dict(loss=1.0, step=3, t=1000.0):
@@ -72,7 +72,7 @@ def test_api_state_is_valid_json_after_a_restart_and_the_dashboard_binds_loopbac
 
 def test_malformed_records_from_a_real_dht_are_ignored_per_peer_and_logged_once(caplog):
     run_id = "records_test"
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dht = SwarmDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
         expiration = get_dht_time() + 60
         values = {b"honest": record_dict(loss=2.0), b"loud": record_dict(loss=1e308),

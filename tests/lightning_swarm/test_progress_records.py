@@ -16,6 +16,7 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 from lightning_swarm.hivemind_ext.progress_records import check_progress_record, well_formed_records
 from lightning_swarm.hivemind_ext.tracker import ThrottledProgressTracker
 from lightning_swarm.hivemind_ext.weight_bounds import progress_weight_bounds
+from lightning_swarm.hivemind_ext.lifetime import SwarmDHT
 
 
 def record(peer: bytes, **changes) -> dict:
@@ -53,7 +54,7 @@ def test_well_formed_records_pass_unchanged():
 
 @pytest.mark.timeout(120)
 def test_tracker_ignores_malformed_records_and_counts_the_honest_ones(caplog):
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dht = SwarmDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
         tracker = ThrottledProgressTracker(dht, "records_test", target_batch_size=1000, start=False)
         expiration = get_dht_time() + 60

@@ -21,6 +21,7 @@ from hivemind.compression.serialization import deserialize_torch_tensor
 from lightning_swarm.wire_checks import compression_name
 
 from lightning_swarm.hivemind_ext.result_verification import message_rounding
+from lightning_swarm.hivemind_ext.lifetime import SwarmDHT
 
 SEED = b"round-seed"
 register_fixed_codecs()
@@ -438,8 +439,8 @@ def test_a_peer_kept_out_by_one_averager_is_kept_out_by_the_others_of_the_same_p
     class Averager(RobustAveraging, DecentralizedAverager):
         pass
 
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    other = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dht = SwarmDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    other = SwarmDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
         averagers = [Averager([torch.zeros(3)], dht=dht, prefix=prefix, start=False, target_group_size=2)
                      for prefix in ("grad", "state")]

@@ -6,11 +6,11 @@ from __future__ import annotations
 import logging
 import time
 
-import hivemind
 import pytest
 import torch
 from hivemind.averaging import DecentralizedAverager
 
+from lightning_swarm.hivemind_ext.lifetime import SwarmDHT
 from lightning_swarm.hivemind_ext.optimizer import (
     HivemindRpcNames, SwarmGradientAverager, SwarmOptimizer, SwarmStateAverager, check_overlap_max_peers,
 )
@@ -30,8 +30,8 @@ def test_swarm_averagers_wait_for_registration():
 
 @pytest.fixture
 def dhts():
-    first = hivemind.DHT(start=True, host_maddrs=LOCAL)
-    nodes = [first, hivemind.DHT(start=True, host_maddrs=LOCAL, initial_peers=first.get_visible_maddrs())]
+    first = SwarmDHT(start=True, host_maddrs=LOCAL)
+    nodes = [first, SwarmDHT(start=True, host_maddrs=LOCAL, initial_peers=first.get_visible_maddrs())]
     yield nodes
     for node in nodes:
         node.shutdown()
@@ -85,7 +85,7 @@ def test_overlap_options_follow_the_swarm_size(caplog):
     """Alone (1 peer) with overlap_max_peers=1, the overlap options stay on. Once the swarm is larger than the limit
     (here: the limit lowered to 0) they are off, training goes on synchronously and the log says why; they come
     back when the swarm fits the limit again."""
-    dht = hivemind.DHT(start=True, host_maddrs=LOCAL)
+    dht = SwarmDHT(start=True, host_maddrs=LOCAL)
     model = torch.nn.Linear(8, 1)
     optimizer = SwarmOptimizer(
         dht=dht, run_id="overlap_switch", target_batch_size=32, batch_size_per_step=16,
@@ -121,7 +121,7 @@ def test_overlap_options_follow_the_swarm_size(caplog):
 
 def test_delay_state_averaging_alone_is_left_as_it_is():
     """hivemind's default (state averaged in the background, gradients not) is not switched, whatever the size."""
-    dht = hivemind.DHT(start=True, host_maddrs=LOCAL)
+    dht = SwarmDHT(start=True, host_maddrs=LOCAL)
     model = torch.nn.Linear(8, 1)
     optimizer = SwarmOptimizer(
         dht=dht, run_id="state_delay_only", target_batch_size=32, batch_size_per_step=16,

@@ -14,6 +14,7 @@ from lightning_swarm import HivemindStrategy
 from lightning_swarm.metrics import LocalMetrics, fetch_metrics, local_public_key, make_validators, metrics_key, publish_metrics
 from lightning_swarm.peers import INITIAL_PEERS_ENV, join_message, resolve_initial_peers
 from lightning_swarm.scheduler import GlobalEpochScheduler, rebind_scheduler
+from lightning_swarm.hivemind_ext.lifetime import SwarmDHT
 
 PEER = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWArQAx4zYSmHJMxr7inBhM9DWVPcPa8S6SooKYcX5FJPP"
 
@@ -123,7 +124,7 @@ def test_global_epoch_scheduler_ignores_lightning_steps_but_keeps_state():
 
 
 def test_metrics_are_signed_schema_checked_and_fetched():
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=make_validators("mrun"))
+    dht = SwarmDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=make_validators("mrun"))
     try:
         record = LocalMetrics(step=3, loss=0.25, samples_per_second=12.5, samples_accumulated=96, mini_steps=4,
                               time=get_dht_time())

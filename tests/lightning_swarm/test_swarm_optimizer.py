@@ -35,7 +35,7 @@ def _search(dht: hivemind.DHT, poll_interval: float, seconds: float, declare_oth
     If `declare_other_after` is set, another peer declares itself as an averager that many seconds into the search.
     Returns (leader found or None, seconds from that declaration to finding it, number of DHT polls).
     """
-    other = hivemind.DHT(start=True, host_maddrs=LOCAL, initial_peers=dht.get_visible_maddrs())
+    other = SwarmDHT(start=True, host_maddrs=LOCAL, initial_peers=dht.get_visible_maddrs())
 
     async def run():
         key_manager = GroupKeyManager(dht, "mm", initial_group_bits="", target_group_size=None)
@@ -146,7 +146,7 @@ def test_client_mode_peer_passes_global_steps(dht):
     """A client-mode peer (its DHT accepts no connections) whose optimizer leaves client_mode to the DHT, as
     build_swarm_optimizer used to: it knows it is in client mode and passes global steps. hivemind 1.1.12 alone keeps
     client_mode=None and dies at the first global step ("State sharing priority is unused")."""
-    client = hivemind.DHT(start=True, client_mode=True, initial_peers=dht.get_visible_maddrs())
+    client = SwarmDHT(start=True, client_mode=True, initial_peers=dht.get_visible_maddrs())
     model = torch.nn.Linear(8, 1)
     optimizer = SwarmOptimizer(
         dht=client, run_id="client_alone", target_batch_size=32, batch_size_per_step=16,

@@ -9,12 +9,13 @@ import pytest
 from hivemind.utils.crypto import RSAPrivateKey
 
 from lightning_swarm.hivemind_ext.tracker import ThrottledProgressTracker
+from lightning_swarm.hivemind_ext.lifetime import SwarmDHT
 
 
 @pytest.fixture(scope="module")
 def dht():
     """One DHT node for the module (starting one takes seconds): each test's trackers use a prefix of their own."""
-    node = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    node = SwarmDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     yield node
     node.shutdown()
 
@@ -138,7 +139,7 @@ def test_a_peer_counts_itself_before_its_own_record_is_in_the_dht(dht):
     # Peer A has published 4 samples; peer B took its first step (12 samples) but its record is not stored yet.
     # B must see 2 peers and 16 samples: with num_peers=1, hivemind.Optimizer would skip the all-reduce and step
     # on B's gradients alone (the race of issue 16).
-    other = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+    other = SwarmDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                          initial_peers=[str(a) for a in dht.get_visible_maddrs()])
     first = ThrottledProgressTracker(dht=dht, prefix="self", target_batch_size=16, start=True)
     # its own key: in one process, both trackers would sign with the same process-wide key (one peer)
@@ -200,7 +201,7 @@ def test_in_a_swarm_the_estimated_end_still_ends_the_epoch(dht):
     first = ThrottledProgressTracker(dht=dht, prefix="pair", target_batch_size=1000, min_report_interval=0.1,
                                      min_refresh_period=0.1, default_refresh_period=0.2, max_refresh_period=0.2,
                                      start=True)
-    other = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+    other = SwarmDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                          initial_peers=[str(a) for a in dht.get_visible_maddrs()])
     second = ThrottledProgressTracker(dht=other, prefix="pair", target_batch_size=1000, min_report_interval=0.1,
                                       min_refresh_period=0.1, default_refresh_period=0.2, max_refresh_period=0.2,
@@ -221,7 +222,7 @@ def test_in_a_swarm_the_estimated_end_still_ends_the_epoch(dht):
 def test_peek_global_epoch_reads_the_swarm_while_a_global_step_holds_the_tracker(dht):
     """hivemind holds the tracker's lock through a global step (``pause_updates``): its ``global_epoch`` stays as it
     was while the step's rounds run. ``peek_global_epoch`` (LateRounds' view) reads the DHT instead."""
-    other = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+    other = SwarmDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                          initial_peers=[str(a) for a in dht.get_visible_maddrs()])
     waiting = ThrottledProgressTracker(dht=dht, prefix="peek", target_batch_size=16, min_report_interval=0.1,
                                        start=True)

@@ -3,11 +3,11 @@ puts into the averager for each accumulation, the NaN guard, and the option's va
 
 from __future__ import annotations
 
-import hivemind
 import pytest
 import torch
 
 from lightning_swarm import HivemindStrategy
+from lightning_swarm.hivemind_ext.lifetime import SwarmDHT
 from lightning_swarm.hivemind_ext.optimizer import SwarmGradientAverager
 
 BETA = 0.5
@@ -15,7 +15,7 @@ BETA = 0.5
 
 @pytest.fixture
 def averager():
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dht = SwarmDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     parameter = torch.nn.Parameter(torch.zeros(3))
     averager = SwarmGradientAverager([parameter], dht=dht, prefix="wm_grad_averager", start=False,
                                      worker_momentum=BETA)
