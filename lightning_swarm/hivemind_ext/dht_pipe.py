@@ -15,7 +15,8 @@ project's CI a test's DHT process died so (exit code 1) and the next call waited
 woke it because bytes arrived: the rest of the request is being written), so a request is read whole or not at all.
 :class:`SerializedRequests` wraps the creator's end: threads of one process send one request at a time (a request
 is two writes when over 16 KiB: two threads' writes could otherwise interleave). Writers in other processes (forked
-averagers) are not serialized with them; their requests are small.
+averagers) are not serialized with them; their requests are small. Left open: a writer killed halfway through a
+request (SIGKILL of one averager process alone, not of its trainer) leaves the DHT process waiting for the rest.
 """
 
 from __future__ import annotations
