@@ -37,12 +37,6 @@ class WholeRequests:
     def __init__(self, connection: Connection):
         self.connection = connection
 
-    def fileno(self) -> int:
-        return self.connection.fileno()
-
-    def poll(self, timeout: float = 0.0) -> bool:
-        return self.connection.poll(timeout)
-
     def recv(self) -> Any:
         descriptor = self.connection.fileno()
         was_blocking = os.get_blocking(descriptor)
@@ -52,7 +46,7 @@ class WholeRequests:
         finally:
             os.set_blocking(descriptor, was_blocking)
 
-    def __getattr__(self, name: str) -> Any:  # close(), closed, ...
+    def __getattr__(self, name: str) -> Any:  # fileno() and poll(), as hivemind's loop uses them; close()
         return getattr(self.connection, name)
 
 
