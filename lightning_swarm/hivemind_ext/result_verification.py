@@ -67,6 +67,7 @@ PHASE_COMMIT, PHASE_NONCE, PHASE_REPORT = 1, 2, 3
 NONCE_BYTES = 32
 DEFAULT_VERIFICATION_TIMEOUT = 10.0  # seconds a member waits for the others' messages of one phase
 MAX_MAILBOXES = 64  # rounds in flight whose messages a peer keeps
+RELAY_MIN_WAIT = 0.5  # a relay that answers without some records sooner than this share of the timeout dropped them
 
 
 class MalformedMessage(ValueError):
@@ -360,28 +361,43 @@ class ReportMailbox:
         phase = int(message.weight)
 
         async def relay(peer):
-            try:
-                stub = type(self).get_stub(self._p2p, peer, namespace=self.prefix)
-                request = averaging_pb2.AveragingData(group_id=message.group_id, weight=message.weight, peer_id=record)
-                answer = await asyncio.wait_for(stub.rpc_reducer_relay(request), 2 * self.verification_timeout)
-            except Exception as e:  # the others' messages may still come through another relay
-                log.debug(f"could not relay through {peer}: {e!r}")
-                return
-            if answer.group_id != message.group_id or answer.weight != message.weight:
-                return
-            try:
-                records = relayed.unpack_records(bytes(answer.peer_id), len(senders), limit)
-                for item in records:
-                    signer, inner_bytes = relayed.open_record(item, max(caps.values()))
-                    if signer not in senders:
-                        raise relayed.MalformedRecord(f"signed by {signer}, not a client-mode member of the group")
-                    if len(inner_bytes) > caps[signer]:
-                        raise relayed.MalformedRecord(f"{len(inner_bytes)} bytes from {signer}")
-                    mailbox.put(phase, signer, averaging_pb2.AveragingData.FromString(inner_bytes))
-            except relayed.MalformedRecord as e:  # the relay checked each record before keeping it: its doing
-                self.exclude_peer(peer, f"it relayed a verification message it altered or forged ({e})")
-            except Exception as e:  # a signed message protobuf can't parse: its signer's doing
-                log.warning(f"[lightning_swarm] averaging: refused a relayed verification message: {e!r}")
+            # The relay answers once every other client-mode member's record is in, or after its own
+            # verification_timeout: a member that deposits later (a slower peer: CI saw one report missing, the
+            # round unchecked) reaches this peer only if it asks again, until its own deadline.
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 2 * self.verification_timeout
+            request = averaging_pb2.AveragingData(group_id=message.group_id, weight=message.weight, peer_id=record)
+            stub = type(self).get_stub(self._p2p, peer, namespace=self.prefix)
+            while True:
+                asked = loop.time()
+                try:
+                    answer = await asyncio.wait_for(stub.rpc_reducer_relay(request), max(deadline - asked, 0.1))
+                except Exception as e:  # the others' messages may still come through another relay
+                    log.debug(f"could not relay through {peer}: {e!r}")
+                    return
+                if answer.group_id != message.group_id or answer.weight != message.weight:
+                    return  # it closed the round's mailbox (or never had it): asking again changes nothing
+                try:
+                    records = relayed.unpack_records(bytes(answer.peer_id), len(senders), limit)
+                    for item in records:
+                        signer, inner_bytes = relayed.open_record(item, max(caps.values()))
+                        if signer not in senders:
+                            raise relayed.MalformedRecord(f"signed by {signer}, not a client-mode member of the group")
+                        if len(inner_bytes) > caps[signer]:
+                            raise relayed.MalformedRecord(f"{len(inner_bytes)} bytes from {signer}")
+                        mailbox.put(phase, signer, averaging_pb2.AveragingData.FromString(inner_bytes))
+                except relayed.MalformedRecord as e:  # the relay checked each record before keeping it: its doing
+                    self.exclude_peer(peer, f"it relayed a verification message it altered or forged ({e})")
+                    return
+                except Exception as e:  # a signed message protobuf can't parse: its signer's doing
+                    log.warning(f"[lightning_swarm] averaging: refused a relayed verification message: {e!r}")
+                if all((phase, sender) in mailbox.messages for sender in senders):
+                    return
+                if loop.time() - asked < RELAY_MIN_WAIT * self.verification_timeout:
+                    return  # an honest relay holds the call until the records are in or its timeout: it dropped them
+                if loop.time() >= deadline:
+                    return
+
         await asyncio.gather(*(relay(peer) for peer in relays))
 
     async def verify_results(self, runner, group_id: bytes) -> Set[int]:

@@ -18,6 +18,7 @@ A peer stays online after ``DONE`` until its stdin is closed.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import functools
 import logging
 import os
@@ -109,15 +110,33 @@ def install_tamper(drop: bool = False) -> None:
     ReportMailbox.rpc_reducer_relay = tampering
 
 
+def install_slow(seconds: float) -> None:
+    """Make this process a slow member: its verification reports are ready ``seconds`` later than the others' (as
+    on a peer whose cores are busy), so its messages of that phase reach the others late."""
+    import time
+
+    from lightning_swarm.hivemind_ext import result_verification
+
+    honest = result_verification._member_reports
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return honest(*args, **kwargs)
+
+    result_verification._member_reports = slow
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seed", type=int, required=True, help="seed of this peer's tensor")
     parser.add_argument("--out", required=True, help="safetensors file for the averaged tensor")
     parser.add_argument("--initial-peer", default=None, help="multiaddr of a peer to join (none: start a DHT)")
-    parser.add_argument("--lie", choices=("none", "large", "subtle", "frame", "withhold", "tamper", "drop"), default="none",
+    parser.add_argument("--lie", choices=("none", "large", "subtle", "frame", "withhold", "tamper", "drop", "slow"),
+                        default="none",
                         help="this peer's reducer lies (large, subtle), its reports on the others' slices (frame), "
                              "it sends no verification message (withhold), or it alters the messages it relays "
-                             "between client-mode members (tamper) or drops them (drop)")
+                             "between client-mode members (tamper) or drops them (drop); an honest member whose "
+                             "reports are ready late (slow: 1.5 verification timeouts late)")
     parser.add_argument("--group-size", type=int, default=3, help="peers in the group")
     parser.add_argument("--rounds", type=int, default=1, help="averaging rounds, one after the other")
     parser.add_argument("--no-verify", action="store_true", help="apply the reducers' results unchecked")
@@ -126,17 +145,23 @@ def main() -> None:
     parser.add_argument("--client-mode", action="store_true",
                         help="accept no connection (as a peer behind NAT): it sends and checks, but reduces nothing")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to find a group")
+    parser.add_argument("--verification-timeout", type=float, default=10.0,
+                        help="seconds a member waits for the others' verification messages of one phase")
+    parser.add_argument("--hang-timeout", type=float, default=300.0,
+                        help="seconds after which a peer that has not printed DONE prints its threads' stacks and "
+                             "exits (the test then fails with them instead of waiting on it)")
     args = parser.parse_args()
+    faulthandler.dump_traceback_later(args.hang_timeout, exit=True, file=sys.stdout)
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout)  # the test reads the peers' log lines
     # why a groupmate's results did not come (hivemind logs it at DEBUG only): a pre-check saw a reducer's results
     # missing 0.1 s into a round ("received 68.3% results"), so the round went unchecked
     logging.getLogger("hivemind.averaging.allreduce").setLevel(logging.DEBUG)
 
-    import hivemind
     from hivemind.averaging import DecentralizedAverager
     from hivemind.compression import NoCompression
 
+    from lightning_swarm.hivemind_ext.lifetime import SwarmDHT
     from lightning_swarm.hivemind_ext.relayed_messages import write_identity
     from lightning_swarm.hivemind_ext.robust_allreduce import RobustAveraging
     from lightning_swarm.hivemind_ext.round_groups import PatientGroupRegistration
@@ -153,6 +178,8 @@ def main() -> None:
         install_withhold()
     elif args.lie in ("tamper", "drop"):
         install_tamper(drop=args.lie == "drop")
+    elif args.lie == "slow":
+        install_slow(1.5 * args.verification_timeout)
     elif args.lie != "none":
         install_lie(args.lie)
     # an identity whose key this peer holds, as the strategy's peers have: client-mode members sign the messages
@@ -161,9 +188,9 @@ def main() -> None:
     if os.path.exists(identity):
         os.remove(identity)
     write_identity(identity)
-    dht = hivemind.DHT(initial_peers=[args.initial_peer] if args.initial_peer else None,
-                       host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=args.client_mode, identity_path=identity,
-                       check_if_identity_free=False, start=True)
+    dht = SwarmDHT(initial_peers=[args.initial_peer] if args.initial_peer else None,
+                   host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=args.client_mode, identity_path=identity,
+                   check_if_identity_free=False, start=True)
     if not args.initial_peer:
         print("PEER", dht.get_visible_maddrs()[0], flush=True)
     tensor = make_tensor(args.seed)
@@ -172,13 +199,15 @@ def main() -> None:
                         request_timeout=1.0, compression=NoCompression(),
                         part_size_bytes=2 ** 14,  # 8 parts of 4096 values: each peer reduces some
                         aggregation="centered_clip", verify_reducers=not args.no_verify,
-                        client_mode=args.client_mode, auxiliary=args.auxiliary, start=True)
+                        verification_timeout=args.verification_timeout, client_mode=args.client_mode,
+                        auxiliary=args.auxiliary, start=True)
     print("PEER_ID", dht.peer_id, flush=True)
     for round_number in range(args.rounds):
         averager.step(timeout=args.timeout)
         print("ROUND", round_number, flush=True)
     with averager.get_tensors() as tensors:
         save_file({"averaged": tensors[0].clone(), "input": tensor}, args.out)
+    faulthandler.cancel_dump_traceback_later()
     print("DONE", flush=True)
     sys.stdin.read()
     averager.shutdown()

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def run_round(tmp_path: Path, lie: str, verify: bool = True, clients: int = 0, auxiliary: bool = False,
-              rounds: int = 1, roles: list[tuple[str, bool]] | None = None):
+              rounds: int = 1, roles: list[tuple[str, bool]] | None = None, verification_timeout: float = 10.0):
     """Start 2 honest peers and a liar (``clients``: how many of the second honest peer and the liar are in client
     mode; ``auxiliary``: the liar sends no part of its own), or the peers ``roles`` names ((lie, client mode) each;
     the first one is reachable and the liar is the last one named with a lie); return (honest peers' (input,
@@ -39,7 +39,7 @@ def run_round(tmp_path: Path, lie: str, verify: bool = True, clients: int = 0, a
                    "--lie", role, "--group-size", str(len(roles))] + extra
         command += (["--initial-peer", initial] if initial else [])
         command += (["--client-mode"] if client else []) + (["--auxiliary"] if auxiliary else [])
-        command += ["--rounds", str(rounds)]
+        command += ["--rounds", str(rounds), "--verification-timeout", str(verification_timeout)]
         return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env=env, start_new_session=True)
 
@@ -167,6 +167,20 @@ def test_a_relay_that_alters_the_messages_it_relays_is_kept_out(tmp_path):
         assert not torch.equal(peer["averaged"], peer["input"]), log[-3000:]
         kept_out = f"peer {relay_id} is kept out of this peer's later groups: it relayed a verification message"
         assert (kept_out in log) == (index in (1, 2)), log[-3000:]  # the client-mode members, who got its copies
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_client_mode_member_whose_groupmate_reports_late_still_checks_the_round(tmp_path):
+    """Two honest client-mode members, one of them slow: its reports are ready 1.5 verification timeouts after the
+    other's (a peer whose cores are busy; CI once lost such a report, and the round went unchecked). The relay
+    answers the punctual member after its timeout without the slow one's record; the punctual member asks again and
+    gets it, so it checks the reducer's slice and applies it."""
+    roles = [("none", False), ("none", True), ("slow", True)]
+    honest, _, _, logs = run_round(tmp_path, "slow", roles=roles, verification_timeout=4.0)
+    punctual, log = honest[1], logs[1]
+    assert "refused the slice" not in log and "not checked" not in log and "no verification" not in log, log[-3000:]
+    assert not torch.equal(punctual["averaged"], punctual["input"]), log[-3000:]  # the reducer's slice was applied
 
 
 @pytest.mark.slow
