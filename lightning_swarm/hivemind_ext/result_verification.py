@@ -30,7 +30,8 @@ Each message is a call that the callee answers with its own message of the same 
 timeout), so a pair with one reachable member exchanges both ways in one call: a client-mode member (it accepts no
 connection) calls the others and nobody calls it. Two client-mode members can't reach each other: each deposits its
 messages, signed with its identity key, with every reachable member (``rpc_reducer_relay``) and gets the other
-client-mode members' back (:mod:`~lightning_swarm.hivemind_ext.relayed_messages`). A relay can drop a message, not
+client-mode members' back (:mod:`~lightning_swarm.hivemind_ext.relayed_messages`); a relay that answers after its
+timeout without a slower member's record is asked again, until twice the timeout. A relay can drop a message, not
 alter it: one that serves an altered record is kept out, and a message only relays could bring counts against
 nobody when it is missing.
 

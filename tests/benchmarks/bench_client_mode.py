@@ -53,14 +53,14 @@ def peer(address: str, initial_peers: str, client_mode: bool, num_params: int, g
     """One averaging peer (runs inside its namespace): joins ``initial_peers`` (comma-separated multiaddrs, none:
     the first peer), prints MADDR, then one RESULT line, then stays online until its stdin is closed (its groupmates
     may still be receiving its last parts)."""
-    import hivemind
+    from lightning_swarm.hivemind_ext.lifetime import SwarmDHT  # hivemind.DHT whose death is noticed
     import torch
     from hivemind.averaging import DecentralizedAverager
     from hivemind.compression import NoCompression
 
     torch.set_num_threads(1)
-    dht = hivemind.DHT(initial_peers=initial_peers.split(",") if initial_peers else None,
-                       host_maddrs=[f"/ip4/{address}/tcp/0"], client_mode=client_mode, start=True)
+    dht = SwarmDHT(initial_peers=initial_peers.split(",") if initial_peers else None,
+                   host_maddrs=[f"/ip4/{address}/tcp/0"], client_mode=client_mode, start=True)
     print("MADDR", dht.get_visible_maddrs()[0], flush=True)
     torch.manual_seed(len(address))
     tensors = [torch.randn(num_params // NUM_TENSORS) for _ in range(NUM_TENSORS)]

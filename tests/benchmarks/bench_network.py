@@ -101,10 +101,10 @@ def session_cpu_seconds() -> dict:
 
 
 def _dht(address: str, initial_peer: str):
-    import hivemind
+    from lightning_swarm.hivemind_ext.lifetime import SwarmDHT  # hivemind.DHT whose death is noticed
 
-    dht = hivemind.DHT(initial_peers=[initial_peer] if initial_peer else None, host_maddrs=[f"/ip4/{address}/tcp/0"],
-                       start=True)
+    dht = SwarmDHT(initial_peers=[initial_peer] if initial_peer else None, host_maddrs=[f"/ip4/{address}/tcp/0"],
+                   start=True)
     if not initial_peer:
         print("MADDR", dht.get_visible_maddrs()[0], flush=True)
     return dht

@@ -55,7 +55,7 @@ VARIANTS = tuple(os.environ.get("BENCH_VARIANTS", "hivemind,mean,centered_clip,c
 def round_peer(variant: str, initial_peer: str, rounds: int) -> None:
     """One peer of the round benchmark (run in its own process); prints RESULT [seconds per round]."""
     import torch
-    import hivemind
+    from lightning_swarm.hivemind_ext.lifetime import SwarmDHT  # hivemind.DHT whose death is noticed
     from hivemind.averaging import DecentralizedAverager
     from hivemind.averaging.control import AveragingStage
 
@@ -79,8 +79,8 @@ def round_peer(variant: str, initial_peer: str, rounds: int) -> None:
     client_mode = "clients" in variant.split("+") and bool(initial_peer)
     identity = os.path.join(tempfile.mkdtemp(prefix="bench_round_"), "identity.key")
     write_identity(identity)
-    dht = hivemind.DHT(initial_peers=[initial_peer] if initial_peer else None, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                       client_mode=client_mode, identity_path=identity, check_if_identity_free=False, start=True)
+    dht = SwarmDHT(initial_peers=[initial_peer] if initial_peer else None, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                   client_mode=client_mode, identity_path=identity, check_if_identity_free=False, start=True)
     if not initial_peer:
         print("MADDR", dht.get_visible_maddrs()[0], flush=True)
     generator = torch.Generator().manual_seed(os.getpid())

@@ -65,12 +65,13 @@ def averaging_peer(initial_peer: str, compression: str, rounds: int) -> None:
     """One side of the averaging benchmark (run in its own process)."""
     import torch
     import hivemind
+    from lightning_swarm.hivemind_ext.lifetime import SwarmDHT  # hivemind.DHT whose death is noticed
     from hivemind.compression import Float16Compression, NoCompression
 
     from lightning_swarm.compression import default_compression
 
-    dht = hivemind.DHT(initial_peers=[initial_peer] if initial_peer else None, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                       start=True)
+    dht = SwarmDHT(initial_peers=[initial_peer] if initial_peer else None, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                   start=True)
     if not initial_peer:
         print("MADDR", dht.get_visible_maddrs()[0], flush=True)
     tensors = [torch.randn(25_000_000 // 10) for _ in range(10)]

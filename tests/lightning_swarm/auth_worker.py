@@ -82,7 +82,7 @@ def averager_kwargs():
 
 
 def honest(args) -> None:
-    import hivemind
+    from lightning_swarm.hivemind_ext.lifetime import SwarmDHT  # hivemind.DHT whose death is noticed
     from hivemind.utils import get_dht_time
 
     from lightning_swarm import metrics
@@ -95,10 +95,10 @@ def honest(args) -> None:
         auth = SwarmAuth(args.run, args.authority, token=args.token, key=args.key)
     auth.token()
     auth.install()
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                       initial_peers=[args.initial_peer] if args.initial_peer else [],
-                       authorizer=SwarmAuthorizer(auth),
-                       record_validators=metrics.make_validators(args.run) + [OwnerIsRequesterValidator()])
+    dht = SwarmDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                   initial_peers=[args.initial_peer] if args.initial_peer else [],
+                   authorizer=SwarmAuthorizer(auth),
+                   record_validators=metrics.make_validators(args.run) + [OwnerIsRequesterValidator()])
     print("PEER", dht.get_visible_maddrs()[0], dht.peer_id.to_base58(), flush=True)
     averager = make_averager_class(True)([torch.zeros(8)], dht, swarm_auth=auth, **averager_kwargs())
     groups, deadline = [], time.monotonic() + args.seconds
@@ -127,7 +127,7 @@ def honest(args) -> None:
 
 
 def outsider(args) -> None:
-    import hivemind
+    from lightning_swarm.hivemind_ext.lifetime import SwarmDHT  # hivemind.DHT whose death is noticed
     from hivemind.utils import get_dht_time
     from hivemind.dht.crypto import RSASignatureValidator
     from hivemind.p2p import PeerID
@@ -172,9 +172,9 @@ def outsider(args) -> None:
         def does_token_need_refreshing(self, access_token):
             return False
 
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[args.initial_peer],
-                       authorizer=StaleTokenAuthorizer(key) if token is not None else None,
-                       record_validators=[RSASignatureValidator(key)], ensure_bootstrap_success=False)
+    dht = SwarmDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[args.initial_peer],
+                   authorizer=StaleTokenAuthorizer(key) if token is not None else None,
+                   record_validators=[RSASignatureValidator(key)], ensure_bootstrap_success=False)
     from lightning_swarm import metrics
 
     stores = []

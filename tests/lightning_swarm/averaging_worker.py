@@ -40,14 +40,14 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)  # two peers share a small machine; bitsandbytes' OpenMP kernels wait on busy cores
 
-    import hivemind
+    from lightning_swarm.hivemind_ext.lifetime import SwarmDHT  # hivemind.DHT whose death is noticed
     from hivemind.averaging import DecentralizedAverager
 
     from lightning_swarm.compression import default_compression
 
     if args.initial_peer == "-":
         args.initial_peer = sys.stdin.readline().strip()
-    dht = hivemind.DHT(
+    dht = SwarmDHT(
         start=True,
         host_maddrs=["/ip4/127.0.0.1/tcp/0"],
         initial_peers=[args.initial_peer] if args.initial_peer else [],

@@ -161,7 +161,7 @@ def main() -> None:
     from hivemind.averaging import DecentralizedAverager
     from hivemind.compression import NoCompression
 
-    from lightning_swarm.hivemind_ext.lifetime import SwarmDHT
+    from lightning_swarm.hivemind_ext.lifetime import DiesWithParent, SwarmDHT
     from lightning_swarm.hivemind_ext.relayed_messages import write_identity
     from lightning_swarm.hivemind_ext.robust_allreduce import RobustAveraging
     from lightning_swarm.hivemind_ext.round_groups import PatientGroupRegistration
@@ -169,7 +169,8 @@ def main() -> None:
     # as the strategy's averagers: a groupmate's part that arrives before this peer registered the group waits for
     # it (without, one pre-check lost the framer's whole slice in a round that ended 0.5 s after the last peer
     # joined: "Averaging: received 72.7% results", and the round went unchecked)
-    class Averager(PatientGroupRegistration, RobustAveraging, DecentralizedAverager):
+    # (DiesWithParent: a peer that exits uncleanly takes its averager process with it, which holds the test's pipe)
+    class Averager(DiesWithParent, PatientGroupRegistration, RobustAveraging, DecentralizedAverager):
         pass
 
     if args.lie == "frame":

@@ -24,7 +24,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(name)s: %(message)s")
 
-    import hivemind
+    from lightning_swarm.hivemind_ext.lifetime import SwarmDHT  # hivemind.DHT whose death is noticed
     from hivemind.averaging import DecentralizedAverager
 
     from lightning_swarm.auth.peer import SwarmAuth
@@ -40,7 +40,7 @@ def main() -> None:
             return super().get_current_state()
 
     auth = SwarmAuth(args.run, args.authority, token=args.token, key=args.key)
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dht = SwarmDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     averager = SlowDonor([torch.arange(1000, dtype=torch.float32)], dht, prefix="serving_test", target_group_size=2,
                          swarm_auth=auth, max_state_downloads=args.max_state_downloads, start=True)
     print("DONOR", dht.get_visible_maddrs()[0], dht.peer_id.to_base58(), flush=True)

@@ -10,8 +10,11 @@ verification messages."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,48 @@ from safetensors.torch import load_file
 
 WORKER = Path(__file__).with_name("lying_reducer.py")
 REPO = Path(__file__).resolve().parents[2]
+
+
+PEER_DEADLINE = 60.0  # seconds for the first peer to print its address
+ROUND_SECONDS = 150.0  # seconds per round (and 60 more) for every peer to print DONE
+
+
+def _done_deadline(rounds: int) -> float:
+    return 60.0 + ROUND_SECONDS * rounds
+
+
+class _Reader:
+    """Collects a peer's output lines in a thread (a hung peer, or a child of one holding its pipe open, can't make
+    the test wait past its deadline)."""
+
+    def __init__(self, process: subprocess.Popen, lines: list[str]):
+        self.lines, self.changed = lines, threading.Condition()
+        self.thread = threading.Thread(target=self._read, args=(process,), daemon=True)
+        self.thread.start()
+
+    def _read(self, process: subprocess.Popen) -> None:
+        for line in process.stdout:
+            with self.changed:
+                self.lines.append(line)
+                self.changed.notify_all()
+        with self.changed:
+            self.lines.append("")  # EOF
+            self.changed.notify_all()
+
+    def wait_for(self, prefix: str, seconds: float) -> str:
+        """The rest of the first line that starts with ``prefix``; fails the test with the output so far if the
+        peer ends or ``seconds`` pass first."""
+        deadline = time.monotonic() + seconds
+        with self.changed:
+            while True:
+                found = next((line for line in self.lines if line.startswith(prefix)), None)
+                if found is not None:
+                    return found[len(prefix):].strip()
+                left = deadline - time.monotonic()
+                if (self.lines and self.lines[-1] == "") or left <= 0:
+                    pytest.fail(f"the peer printed no {prefix!r} (it {'ended' if left > 0 else 'is still running'}):"
+                                f"\n{''.join(self.lines)[-6000:]}")
+                self.changed.wait(left)
 
 
 def run_round(tmp_path: Path, lie: str, verify: bool = True, clients: int = 0, auxiliary: bool = False,
@@ -39,38 +84,35 @@ def run_round(tmp_path: Path, lie: str, verify: bool = True, clients: int = 0, a
                    "--lie", role, "--group-size", str(len(roles))] + extra
         command += (["--initial-peer", initial] if initial else [])
         command += (["--client-mode"] if client else []) + (["--auxiliary"] if auxiliary else [])
-        command += ["--rounds", str(rounds), "--verification-timeout", str(verification_timeout)]
+        command += ["--rounds", str(rounds), "--verification-timeout", str(verification_timeout),
+                    "--hang-timeout", str(_done_deadline(rounds) - 20)]  # a hung peer's stacks reach the log
         return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env=env, start_new_session=True)
 
-    processes = []
+    processes, lines = [], {index: [] for index in range(len(roles))}
     try:
         first = start(0, None, roles[0][0])
         processes.append(first)
-        lines = {0: []}
-        for line in first.stdout:
-            lines[0].append(line)
-            if line.startswith("PEER "):
-                maddr = line.split()[1]
-                break
+        readers = [_Reader(first, lines[0])]
+        maddr = readers[0].wait_for("PEER ", PEER_DEADLINE)
         processes += [start(index, maddr, role, client=client, auxiliary=auxiliary and index == liar)
                       for index, (role, client) in enumerate(roles) if index > 0]
-        for index, process in enumerate(processes):
-            lines.setdefault(index, [])
-            for line in process.stdout:
-                lines[index].append(line)
-                if line.startswith("DONE"):
-                    break
+        readers += [_Reader(process, lines[index]) for index, process in enumerate(processes) if index > 0]
+        deadline = time.monotonic() + _done_deadline(rounds)
+        for reader in readers:  # each peer prints DONE after its rounds (a hung one dumps its stacks and exits)
+            reader.wait_for("DONE", deadline - time.monotonic())
         for process in processes:
             process.stdin.close()  # each peer leaves once all are done
-        for index, process in enumerate(processes):
-            lines[index].append(process.stdout.read())
+        for process, reader in zip(processes, readers):
             process.wait(timeout=60)
+            reader.thread.join(timeout=10)
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+        for process in processes:  # the peer and what it started (its own session): nothing outlives the test
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait()
     logs = ["".join(lines[i]) for i in range(len(roles))]
     for i, text in enumerate(logs):
         (tmp_path / f"peer{i}.log").write_text(text)
@@ -94,7 +136,7 @@ def test_a_lying_reducer_is_refused_named_and_kept_out(tmp_path, lie):
         assert not torch.equal(averaged, peer["input"]), log[-3000:]  # the honest slices were averaged
         assert f"refused the slice reduced by {liar_id}" in log, log[-3000:]
         assert f"peer {liar_id} is kept out of this peer's later groups" in log
-        assert log.count(f"refused the slice reduced by") == 1  # the honest reducer's slice passed
+        assert log.count("refused the slice reduced by") == 1  # the honest reducer's slice passed
 
 
 @pytest.mark.slow
