@@ -31,14 +31,12 @@ def start_peer_dht(
     use_auto_relay: bool,
     identity_path: Optional[str],
     swarm_auth: Optional[SwarmAuth],
-    publish_metrics: bool,
 ) -> hivemind.DHT:
     """Start this peer's DHT node and print how other peers can join (arguments as in HivemindStrategy).
 
     Args:
         swarm_auth: this peer's credentials in a run with an authority (None: an open run). Its token is fetched
             first, so a peer with no, expired or refused token stops here with one line saying so.
-        publish_metrics: add the validators of the run's signed metrics records.
     """
     dht_kwargs = dict(
         host_maddrs=host_maddrs,
@@ -55,8 +53,10 @@ def start_peer_dht(
         swarm_auth.token()  # no, expired or refused token: stop here with one line saying so
         swarm_auth.install()  # sign records with the token's key (before the validators take it)
         dht_kwargs["authorizer"] = SwarmAuthorizer(swarm_auth)
-    # the metrics validators sign with the process's key: made only after install() set it
-    validators = swarm_metrics.make_validators(run_id) if publish_metrics else []
+    # the metrics validators sign with the process's key: made only after install() set it. Always (a peer that
+    # publishes nothing still stores others' records): first in line, they absorb the progress tracker's validators
+    # and check each record once (lightning_swarm.record_validators)
+    validators = swarm_metrics.make_validators(run_id)
     if swarm_auth is not None:
         validators = validators + [OwnerIsRequesterValidator()]
     generated = None

@@ -21,9 +21,11 @@ import torch
 from hivemind.utils import get_dht_time
 import pydantic.v1 as pydantic  # hivemind's SchemaValidator works with pydantic v1 models
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.dht.schema import BytesWithPublicKey
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.utils.mpfuture import MPFuture
+
+from lightning_swarm.record_validators import CachedSchemaValidator, CachedSignatureValidator
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +65,9 @@ def metrics_key(run_id: str) -> str:
 
 
 def make_validators(run_id: str) -> List[RecordValidatorBase]:
-    """Validators for the metrics records of ``run_id``: schema check + RSA signature (process-wide key)."""
-    return [SchemaValidator(MetricSchema, prefix=run_id), RSASignatureValidator()]
+    """Validators for the metrics records of ``run_id``: schema check + RSA signature (process-wide key), each record
+    checked once (:mod:`lightning_swarm.record_validators`)."""
+    return [CachedSchemaValidator(MetricSchema, prefix=run_id), CachedSignatureValidator()]
 
 
 def add_metrics_validators(dht: hivemind.DHT, run_id: str) -> None:

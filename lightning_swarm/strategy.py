@@ -297,7 +297,6 @@ class HivemindStrategy(SingleDeviceStrategy):
                 use_auto_relay=self.use_auto_relay,
                 identity_path=self.identity_path,
                 swarm_auth=self.swarm_auth,
-                publish_metrics=self.publish_metrics,
             )
         return self._dht
 

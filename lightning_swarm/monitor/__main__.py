@@ -153,7 +153,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         identity_path=args.identity_path,
         load_state_timeout=args.load_state_timeout,
         client_mode=False,  # the monitor is the swarm's reachable bootstrap peer
-        publish_metrics=True,  # its DHT validates the trainers' signed metrics records
+        publish_metrics=True,
         log_progress=False,
     )
     module = build_model(config, args.model_class)

@@ -60,8 +60,8 @@ class MonitorPeer:
 
     Args:
         module: the model, built from the trainers' config (its parameters receive the downloaded state).
-        strategy: the trainers' strategy with the monitor's own addresses/identity (``client_mode=False``,
-            ``publish_metrics=True``, so that its DHT validates the trainers' signed metrics).
+        strategy: the trainers' strategy with the monitor's own addresses/identity (``client_mode=False``; every
+            peer's DHT validates the trainers' signed metrics records).
     """
 
     def __init__(self, module: torch.nn.Module, strategy: HivemindStrategy):

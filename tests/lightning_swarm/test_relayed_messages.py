@@ -34,7 +34,7 @@ def test_a_peer_started_without_an_identity_holds_the_key_of_its_peer_id(tmp_pat
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     options = dict(initial_peers=[], host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=None, client_mode=False,
-                   use_relay=False, use_auto_relay=False, swarm_auth=None, publish_metrics=False)
+                   use_relay=False, use_auto_relay=False, swarm_auth=None)
     dht = start_peer_dht("relay-test", identity_path=None, **options)
     try:
         der = rm.identity_key_der(dht)
