@@ -27,7 +27,9 @@ Variants: base (synchronous rounds, all reachable), overlap (delay_optimizer_ste
 any size: overlap_max_peers null), client50 (every second peer in client mode), churn (a peer, never the first, is
 SIGKILLed with its whole process group every BENCH_CHURN_SECONDS and a new one of the same speed joins), goal
 (client50 + churn: the issue's goal, >= 0.85 of ideal); a suffix "-sync" (e.g. goal-sync) also makes the state
-rounds synchronous (delay_state_averaging False); kinds combine with "+" (goal+overlap: the goal with overlap forced).
+rounds synchronous (delay_state_averaging False); hivemindvalidators (the peers' DHTs use hivemind's record validators,
+which check each record every time, instead of lightning_swarm.record_validators); kinds combine with "+"
+(goal+overlap: the goal with overlap forced).
 BENCH_KEEP_DIR=/tmp/many keeps every peer's config, log and events. BENCH_LINKS=home (or poor, datacenter: profiles
 of tests/lightning_swarm/netns_harness.py; needs root and iproute2) puts each peer in a network namespace behind a
 shaped link of that profile instead of 127.0.0.1.
@@ -117,6 +119,8 @@ def run(num_peers: int, variant: str) -> dict:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     churn = bool(_kinds(variant) & {"churn", "goal"})
+    # the peers' DHTs check each record every time, as hivemind's validators do (lightning_swarm's check it once)
+    os.environ["BENCH_HIVEMIND_VALIDATORS"] = "1" if "hivemindvalidators" in _kinds(variant) else ""
     load = os.getloadavg()[0]
     try:
         links = shaped_network([LINKS] * num_peers) if LINKS else contextlib.nullcontext()

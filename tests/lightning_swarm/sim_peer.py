@@ -120,6 +120,15 @@ def main(config_path: str) -> None:
     from lightning_swarm import HivemindStrategy
     from sim_accelerator import SimulatedAccelerator, endless_loader
 
+    if os.environ.get("BENCH_HIVEMIND_VALIDATORS"):  # benchmarks: hivemind's own, which check each record every time
+        from hivemind.dht.crypto import RSASignatureValidator
+        from hivemind.dht.schema import SchemaValidator
+
+        from lightning_swarm import metrics
+
+        metrics.make_validators = lambda run_id: [SchemaValidator(metrics.MetricSchema, prefix=run_id),
+                                                  RSASignatureValidator()]
+
     model = SimulatedAccelerator(**config["model"])
     strategy_args = dict(config["strategy"])
     initial_peers_file = config.get("initial_peers_file")
