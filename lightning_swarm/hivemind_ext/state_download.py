@@ -227,6 +227,19 @@ class VerifiedStateDownload(DecentralizedAverager):
         ranked = {peer: (priority, random.random()) for peer, priority in self._donor_priorities().items()}
         return [peer for peer in sorted(ranked, key=ranked.get, reverse=True) if peer != self.peer_id]
 
+    def _donors_not_kept_out(self) -> List[PeerID]:
+        """:meth:`_donors` but the peers this peer keeps out of its groups (``excluded_peers`` of
+        :class:`~lightning_swarm.hivemind_ext.result_verification.ReportMailbox`: their reduced slices failed the
+        check, so their own state is suspect; CI saw an honest peer download a lying reducer's poisoned state after
+        it had caught it)."""
+        kept_out = getattr(self, "excluded_peers", {})
+        donors = self._donors()
+        skipped = [peer for peer in donors if peer in kept_out]
+        if skipped:
+            logger.info(f"Not downloading state from {len(skipped)} peer(s) kept out of this peer's groups: "
+                        f"{[str(peer) for peer in skipped]}")
+        return [peer for peer in donors if peer not in kept_out]
+
     async def _state_download_request(self):
         """What the request for a donor's state carries (state_serving.GuardedStateServing adds this peer's proof)."""
         return averaging_pb2.DownloadRequest()
@@ -275,7 +288,7 @@ class VerifiedStateDownload(DecentralizedAverager):
         errors = []
         try:
             for attempt in range(self.state_download_attempts):
-                donors = self._donors()
+                donors = self._donors_not_kept_out()
                 if not donors:
                     logger.info("No peer offers its state for download")
                     future.set_result(None)  # as hivemind: nothing to load, train from this peer's state

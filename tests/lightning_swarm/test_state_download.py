@@ -136,3 +136,21 @@ def test_honest_states_of_every_codec_still_arrive(compression):
             assert torch.equal(got, tensor)
         else:  # lossy codecs (hivemind's uniform 8-bit clips outliers): close on average
             assert float((got - tensor).abs().mean()) <= 0.05 * float(tensor.abs().mean())
+
+
+def test_peers_kept_out_of_this_peers_groups_are_not_donors():
+    """A peer whose reduced slice failed the check (kept out of this peer's groups) is not downloaded from: its own
+    state is suspect (CI saw an honest peer take a lying reducer's poisoned state after it had caught it). The others
+    keep their order; with every donor kept out there is nothing to download."""
+    from types import SimpleNamespace
+
+    from hivemind.p2p import PeerID
+
+    from lightning_swarm.hivemind_ext.state_download import VerifiedStateDownload
+
+    honest, liar, other = (PeerID(bytes([i]) * 34) for i in (1, 2, 3))
+    averager = SimpleNamespace(_donors=lambda: [liar, honest, other], excluded_peers={liar: "its slice failed"})
+    assert VerifiedStateDownload._donors_not_kept_out(averager) == [honest, other]
+    averager.excluded_peers = {liar: "x", honest: "y", other: "z"}
+    assert VerifiedStateDownload._donors_not_kept_out(averager) == []
+    assert VerifiedStateDownload._donors_not_kept_out(SimpleNamespace(_donors=lambda: [honest])) == [honest]
