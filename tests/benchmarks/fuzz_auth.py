@@ -12,9 +12,11 @@ tests/lightning_swarm/test_auth_fuzz.py runs it in a child process, fixed seed, 
 """
 
 import argparse
+import atexit
 import json
 import logging
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -89,6 +91,7 @@ def main() -> int:
 
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="fuzz_auth_"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)  # its keys: nothing left in /tmp after the run
     for name in ("authority", "alice"):
         save_key(generate_key(), str(root / f"{name}.pem"))
     (root / "allowlist.txt").write_text(f"alice {(root / 'alice.pem.pub').read_text().strip()}\n")
