@@ -9,21 +9,27 @@ import time
 
 
 class Proc:
-    """A child process in its own session whose stdout lines are collected by a thread (stderr goes to a file).
+    """A child process in its own session whose stdout lines are collected by a thread (stderr goes to a file, or
+    with the stdout lines).
 
     Args:
         args: the command line.
         log_path: file for its stderr.
         env: its environment.
         cwd: its working directory (default: the log file's directory).
+        stdin: give it a pipe as stdin (``proc.stdin``; closing it is how some workers are told to leave).
+        stderr_to_stdout: collect its stderr with its stdout lines instead of in ``log_path``.
     """
 
-    def __init__(self, args, log_path, env, cwd=None):
+    def __init__(self, args, log_path, env, cwd=None, stdin=False, stderr_to_stdout=False):
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self.log, env=env, text=True,
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT if stderr_to_stdout else self.log,
+                                     stdin=subprocess.PIPE if stdin else None, env=env, text=True,
                                      cwd=cwd or os.path.dirname(log_path), start_new_session=True)
         self.lines = []
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self):
         for line in self.proc.stdout:
@@ -37,9 +43,10 @@ class Proc:
                 if line.startswith(prefix):
                     return line
             if self.proc.poll() is not None:
-                raise AssertionError(f"process exited ({self.proc.returncode}) before printing {prefix!r}")
+                raise AssertionError(f"process exited ({self.proc.returncode}) before printing {prefix!r}:\n"
+                                     + "\n".join(self.lines[-60:]))
             time.sleep(0.1)
-        raise AssertionError(f"no {prefix!r} line within {timeout}s")
+        raise AssertionError(f"no {prefix!r} line within {timeout}s:\n" + "\n".join(self.lines[-60:]))
 
     def stop(self, timeout=20):
         """SIGTERM the process group, SIGKILL it after ``timeout`` seconds."""

@@ -10,16 +10,15 @@ verification messages."""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from processes import Proc
 
 WORKER = Path(__file__).with_name("lying_reducer.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -31,40 +30,6 @@ ROUND_SECONDS = 150.0  # seconds per round (and 60 more) for every peer to print
 
 def _done_deadline(rounds: int) -> float:
     return 60.0 + ROUND_SECONDS * rounds
-
-
-class _Reader:
-    """Collects a peer's output lines in a thread (a hung peer, or a child of one holding its pipe open, can't make
-    the test wait past its deadline)."""
-
-    def __init__(self, process: subprocess.Popen, lines: list[str]):
-        self.lines, self.changed = lines, threading.Condition()
-        self.thread = threading.Thread(target=self._read, args=(process,), daemon=True)
-        self.thread.start()
-
-    def _read(self, process: subprocess.Popen) -> None:
-        for line in process.stdout:
-            with self.changed:
-                self.lines.append(line)
-                self.changed.notify_all()
-        with self.changed:
-            self.lines.append("")  # EOF
-            self.changed.notify_all()
-
-    def wait_for(self, prefix: str, seconds: float) -> str:
-        """The rest of the first line that starts with ``prefix``; fails the test with the output so far if the
-        peer ends or ``seconds`` pass first."""
-        deadline = time.monotonic() + seconds
-        with self.changed:
-            while True:
-                found = next((line for line in self.lines if line.startswith(prefix)), None)
-                if found is not None:
-                    return found[len(prefix):].strip()
-                left = deadline - time.monotonic()
-                if (self.lines and self.lines[-1] == "") or left <= 0:
-                    pytest.fail(f"the peer printed no {prefix!r} (it {'ended' if left > 0 else 'is still running'}):"
-                                f"\n{''.join(self.lines)[-6000:]}")
-                self.changed.wait(left)
 
 
 def run_round(tmp_path: Path, lie: str, verify: bool = True, clients: int = 0, auxiliary: bool = False,
@@ -79,41 +44,35 @@ def run_round(tmp_path: Path, lie: str, verify: bool = True, clients: int = 0, a
         roles = [("none", False), ("none", clients >= 1), (lie, clients >= 2)]
     liar = max(index for index, (role, _) in enumerate(roles) if role != "none") if lie != "none" else len(roles) - 1
 
-    def start(seed: int, initial: str | None, role: str, client: bool = False, auxiliary: bool = False):
+    def start(seed: int, initial: str | None, role: str, client: bool = False, auxiliary: bool = False) -> Proc:
         command = [sys.executable, str(WORKER), "--seed", str(seed), "--out", str(tmp_path / f"{seed}.safetensors"),
                    "--lie", role, "--group-size", str(len(roles))] + extra
         command += (["--initial-peer", initial] if initial else [])
         command += (["--client-mode"] if client else []) + (["--auxiliary"] if auxiliary else [])
         command += ["--rounds", str(rounds), "--verification-timeout", str(verification_timeout),
                     "--hang-timeout", str(_done_deadline(rounds) - 20)]  # a hung peer's stacks reach the log
-        return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=env, start_new_session=True)
+        # its output read by a thread against deadlines: a hung peer, or a child of one holding its pipe, can't
+        # make the test wait past them
+        return Proc(command, tmp_path / f"peer{seed}.stderr", env, stdin=True, stderr_to_stdout=True)
 
-    processes, lines = [], {index: [] for index in range(len(roles))}
+    peers = []
     try:
-        first = start(0, None, roles[0][0])
-        processes.append(first)
-        readers = [_Reader(first, lines[0])]
-        maddr = readers[0].wait_for("PEER ", PEER_DEADLINE)
-        processes += [start(index, maddr, role, client=client, auxiliary=auxiliary and index == liar)
-                      for index, (role, client) in enumerate(roles) if index > 0]
-        readers += [_Reader(process, lines[index]) for index, process in enumerate(processes) if index > 0]
+        peers.append(start(0, None, roles[0][0]))
+        maddr = peers[0].wait_line("PEER ", PEER_DEADLINE).split()[1]
+        peers += [start(index, maddr, role, client=client, auxiliary=auxiliary and index == liar)
+                  for index, (role, client) in enumerate(roles) if index > 0]
         deadline = time.monotonic() + _done_deadline(rounds)
-        for reader in readers:  # each peer prints DONE after its rounds (a hung one dumps its stacks and exits)
-            reader.wait_for("DONE", deadline - time.monotonic())
-        for process in processes:
-            process.stdin.close()  # each peer leaves once all are done
-        for process, reader in zip(processes, readers):
-            process.wait(timeout=60)
-            reader.thread.join(timeout=10)
+        for peer in peers:  # each peer prints DONE after its rounds (a hung one dumps its stacks and exits)
+            peer.wait_line("DONE", deadline - time.monotonic())
+        for peer in peers:
+            peer.proc.stdin.close()  # each peer leaves once all are done
+        for peer in peers:
+            peer.proc.wait(timeout=60)
+            peer.reader.join(timeout=10)
     finally:
-        for process in processes:  # the peer and what it started (its own session): nothing outlives the test
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            process.wait()
-    logs = ["".join(lines[i]) for i in range(len(roles))]
+        for peer in peers:  # the peer and what it started (its own session): nothing outlives the test
+            peer.stop(timeout=0)
+    logs = ["\n".join(peer.lines) + "\n" for peer in peers]
     for i, text in enumerate(logs):
         (tmp_path / f"peer{i}.log").write_text(text)
     liar_id = next(line.split()[1] for line in logs[liar].splitlines() if line.startswith("PEER_ID"))
