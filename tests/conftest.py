@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 import torch
@@ -7,7 +8,41 @@ import torch
 # other tests) share the machine's cores. TEST_TORCH_THREADS overrides it.
 torch.set_num_threads(int(os.environ.get("TEST_TORCH_THREADS", "1")))
 
+# A test that is not marked slow and names no timeout of its own fails after this many seconds instead of pyproject's
+# 600: the fast tests take seconds, and one that hangs costs the suite minutes, not ten.
+FAST_TEST_TIMEOUT = 180
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.get_closest_marker("slow") is None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(FAST_TEST_TIMEOUT))
+
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _hivemind_result_locks_free():
+    """hivemind's MPFuture sends results under multiprocessing locks shared by every process forked from this one: a
+    hivemind child of a test killed while holding one leaves it held, and every later test that starts a DHT or an
+    averager in this process hangs until its timeout (CI, docs/notes/ci-failures.md). The test that left them held
+    fails here, by name, and the locks are replaced for the tests after it."""
+    yield
+    mpfuture = sys.modules.get("hivemind.utils.mpfuture")
+    if mpfuture is None:
+        return
+    held = []
+    for name, lock in [("MPFuture._update_lock", mpfuture.MPFuture._update_lock),
+                       ("MPFuture._initialization_lock", mpfuture.MPFuture._initialization_lock),
+                       ("SharedBytes._lock", mpfuture.SharedBytes._lock)]:
+        if lock.acquire(timeout=5):
+            lock.release()
+        else:
+            held.append(name)
+    if held:
+        mpfuture.MPFuture.reset_backend()
+        pytest.fail(f"this test left hivemind's {held} held (a child killed while holding it): later tests that start "
+                    "hivemind processes would hang")

@@ -28,6 +28,7 @@ from concurrent.futures import InvalidStateError
 from typing import Dict, List, Optional
 
 import hivemind
+from hivemind.utils.mpfuture import MPFuture
 
 from lightning_swarm.hivemind_ext.dht_pipe import SerializedRequests, WholeRequests
 
@@ -181,6 +182,11 @@ class SwarmDHT(DiesWithParent, hivemind.DHT):
         if self._shutting_down:
             return
         self.join(timeout=5.0)  # reaps the process, so that exitcode is known
+        # hivemind's MPFuture sends every result under one multiprocessing lock shared by all the processes forked
+        # from this one; a DHT process killed while holding it (measured: ~1 kill in 3) leaves it held forever, and
+        # every later hivemind child of this process (a restarted DHT, a notebook cell run again) hangs on its first
+        # result. New locks for the processes started from now on (hivemind's public last-resort reset).
+        MPFuture.reset_backend()
         self._died = DHTProcessDied(
             f"[lightning_swarm] this peer's DHT process (pid {self.pid}) ended with exit code {self.exitcode}: the "
             f"peer can no longer reach the swarm. Its output above says why; restart the peer to rejoin.")
