@@ -233,3 +233,23 @@ def test_records_all_low_do_not_hand_the_round_to_a_loud_sender(num_honest):
     honest_mean = sum(honest) / num_honest
     assert along(result, honest_mean) >= 0.0  # never uphill
     assert result.norm() <= 1.5 * max(part.norm() for part in honest)  # nor anywhere near the loud part's length
+
+
+@pytest.mark.parametrize("multiplier", [1e3, -1e3, 10.0])
+def test_a_loud_sender_moves_the_result_by_about_the_honest_spread_whatever_the_weights(multiplier):
+    # small parts mostly of noise (a slice of a few values, as in a small model's round 0) and uneven sample counts:
+    # the screen could take an honest part's weight and leave the loud sender most of the rest, and CenteredClip's
+    # own radius grew as its estimate left the honest parts; the result went up to 158x the honest spread away
+    # (issue 24: round 0 of the Byzantine scale case)
+    generator = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for _ in range(1000):
+        size = int(torch.randint(1, 10, (), generator=generator))
+        true = torch.randn(size, generator=generator)
+        noise = 2 * float(torch.rand((), generator=generator))
+        first, second, third = (true + noise * torch.randn(size, generator=generator) for _ in range(3))
+        weights = [float(w) for w in torch.randint(16, 400, (3,), generator=generator)]
+        result, _, _ = aligned_centered_clip([first, second, multiplier * third], weights, min_alignment=0.5)
+        spread = float((first - second).norm())
+        worst = max(worst, float((result - (first + second) / 2).norm()) / max(spread, 1e-9))
+    assert worst < 5.0, worst  # about the vote's radius (the honest spread): CenteredClip's bound for one loud sender
