@@ -9,7 +9,7 @@ import torch
 torch.set_num_threads(int(os.environ.get("TEST_TORCH_THREADS", "1")))
 
 # A test that is not marked slow and names no timeout of its own fails after this many seconds instead of pyproject's
-# 600: the fast tests take seconds, and one that hangs costs the suite minutes, not ten.
+# 420 (the slow tests' default): the fast tests take seconds, and one that hangs costs the suite 3 minutes, not 7.
 FAST_TEST_TIMEOUT = 180
 
 
