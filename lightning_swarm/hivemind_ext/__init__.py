@@ -88,6 +88,8 @@ Every private name used is listed in :data:`~lightning_swarm.hivemind_ext.privat
     that dies first fails its trainer's calls): ``run`` of hivemind's ``multiprocessing.Process`` subclasses,
     overridden to start a watchdog thread in the child, and the DHT's request pipe (``dht_pipe``):
     - ``DHT._inner_pipe``, ``DHT._outer_pipe``: wrapped (requests read whole, sent one thread at a time).
+    - ``MPFuture._update_lock``, ``MPFuture._initialization_lock``, ``SharedBytes._lock``: replaced by new locks
+      when the DHT process dies (it may have died holding one; every later hivemind child would hang on it).
 ``state`` (the monitor moving a state averager to another epoch)
     - ``TrainingStateAverager._update_scheduler``: steps the LR schedule to the new epoch.
     - ``ProgressTracker.training_progress_key``'s format: the monitor announces a reverted epoch under it.

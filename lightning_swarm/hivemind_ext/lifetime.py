@@ -28,7 +28,7 @@ from concurrent.futures import InvalidStateError
 from typing import Dict, List, Optional
 
 import hivemind
-from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.mpfuture import MPFuture, SharedBytes
 
 from lightning_swarm.hivemind_ext.dht_pipe import SerializedRequests, WholeRequests
 
@@ -124,6 +124,19 @@ class DiesWithParent:
         return super().run()
 
 
+def replace_result_locks() -> None:
+    """New locks for hivemind's MPFuture, for the processes started from now on.
+
+    MPFuture sends every result under one multiprocessing lock shared by all the processes forked from the one that
+    imported hivemind; a child killed while holding it (measured for a DHT process: ~1 kill in 3) leaves it held
+    forever, and every later hivemind child of this process (a restarted DHT, a notebook cell run again) hangs on its
+    first result. Unlike hivemind's ``MPFuture.reset_backend``, this process's futures under way are not dropped
+    (children started before keep the old lock: if it is held, their results stay stuck)."""
+    MPFuture._update_lock = multiprocessing.Lock()
+    MPFuture._initialization_lock = multiprocessing.Lock()
+    SharedBytes._lock = multiprocessing.Lock()
+
+
 class DHTProcessDied(RuntimeError):
     """This peer's DHT process ended while the peer still used it: it can no longer reach the swarm."""
 
@@ -182,11 +195,7 @@ class SwarmDHT(DiesWithParent, hivemind.DHT):
         if self._shutting_down:
             return
         self.join(timeout=5.0)  # reaps the process, so that exitcode is known
-        # hivemind's MPFuture sends every result under one multiprocessing lock shared by all the processes forked
-        # from this one; a DHT process killed while holding it (measured: ~1 kill in 3) leaves it held forever, and
-        # every later hivemind child of this process (a restarted DHT, a notebook cell run again) hangs on its first
-        # result. New locks for the processes started from now on (hivemind's public last-resort reset).
-        MPFuture.reset_backend()
+        replace_result_locks()
         self._died = DHTProcessDied(
             f"[lightning_swarm] this peer's DHT process (pid {self.pid}) ended with exit code {self.exitcode}: the "
             f"peer can no longer reach the swarm. Its output above says why; restart the peer to rejoin.")

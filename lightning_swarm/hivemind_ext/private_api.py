@@ -103,6 +103,11 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
         ("DHT._inner_pipe", "the DHT process's end of the request pipe, wrapped to read whole requests"),
         ("DHT._outer_pipe", "the creator's end of the request pipe, wrapped to send one thread's request at a time"),
     ], instance=True)
+    + _symbols("hivemind.utils.mpfuture", "lifetime", [
+        ("MPFuture._update_lock", "replaced when the DHT process dies: it may have died holding it"),
+        ("MPFuture._initialization_lock", "replaced when the DHT process dies: it may have died holding it"),
+        ("SharedBytes._lock", "replaced when the DHT process dies: it may have died holding it"),
+    ])
     + _symbols("hivemind.averaging.key_manager", "group_keys", [
         ("GroupKeyManager.update_key_on_not_enough_peers", "overridden: a peer alone under its key moves to another"),
     ])
