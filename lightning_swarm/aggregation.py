@@ -257,7 +257,7 @@ def aligned_centered_clip(
         # a sender far from the vote (x1e3) or weights lowered: the vote's radius, the honest distances' scale.
         # CenteredClip's own radius (the weighted median distance) grows as the estimate moves away from the honest
         # parts: with a light honest sender (32 samples against 320 and 352) a far sender held half the weight and
-        # moved the result by 4x the honest spread (round 0 of test_byzantine_swarm's scale case: 6.9x the initial loss)
+        # moved the result by 4x the honest spread (round 0 of test_byzantine_swarm's scale case: loss 6.9 from 1.62)
         if far.any() or not np.allclose(scaled / scaled.sum(), w):
             radius = vote_radius
     coefficients, _ = _clip_coefficients(scaled / scaled.sum(), gram, start_products, start_norm2, radius, iters)

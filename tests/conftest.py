@@ -31,20 +31,17 @@ def _hivemind_result_locks_free():
     averager in this process hangs until its timeout (CI, docs/notes/ci-failures.md). The test that left them held
     fails here, by name, and the locks are replaced for the tests after it."""
     yield
-    mpfuture = sys.modules.get("hivemind.utils.mpfuture")
-    if mpfuture is None:
+    if "hivemind.utils.mpfuture" not in sys.modules:  # no test of this session used hivemind yet
         return
+    from lightning_swarm.hivemind_ext.lifetime import replace_result_locks, result_locks
+
     held = []
-    for name, lock in [("MPFuture._update_lock", mpfuture.MPFuture._update_lock),
-                       ("MPFuture._initialization_lock", mpfuture.MPFuture._initialization_lock),
-                       ("SharedBytes._lock", mpfuture.SharedBytes._lock)]:
+    for name, lock in result_locks().items():
         if lock.acquire(timeout=5):
             lock.release()
         else:
             held.append(name)
     if held:
-        from lightning_swarm.hivemind_ext.lifetime import replace_result_locks
-
         replace_result_locks()
         pytest.fail(f"this test left hivemind's {held} held (a child killed while holding it): later tests that start "
                     "hivemind processes would hang")

@@ -137,6 +137,12 @@ def replace_result_locks() -> None:
     SharedBytes._lock = multiprocessing.Lock()
 
 
+def result_locks() -> Dict[str, object]:
+    """hivemind's locks that :func:`replace_result_locks` replaces, by name (the tests check they are free)."""
+    return {"MPFuture._update_lock": MPFuture._update_lock,
+            "MPFuture._initialization_lock": MPFuture._initialization_lock, "SharedBytes._lock": SharedBytes._lock}
+
+
 class DHTProcessDied(RuntimeError):
     """This peer's DHT process ended while the peer still used it: it can no longer reach the swarm."""
 
