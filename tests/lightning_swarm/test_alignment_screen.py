@@ -239,7 +239,7 @@ def test_records_all_low_do_not_hand_the_round_to_a_loud_sender(num_honest):
 def test_a_loud_sender_moves_the_result_by_about_the_honest_spread_whatever_the_weights(multiplier):
     # small parts mostly of noise (a slice of a few values, as in a small model's round 0) and uneven sample counts:
     # the screen could take an honest part's weight and leave the loud sender most of the rest, and CenteredClip's
-    # own radius grew as its estimate left the honest parts; the result went up to 158x the honest spread away
+    # own radius grew as its estimate left the honest parts; the result went up to 12x the honest spread away
     # (issue 24: round 0 of the Byzantine scale case)
     generator = torch.Generator().manual_seed(0)
     worst = 0.0
