@@ -62,10 +62,14 @@ def all_finite(tensor: torch.Tensor) -> bool:
 
 @dataclass
 class Refusal:
-    """One sender's contribution to one part that was left out, and why (for the log)."""
+    """One sender's contribution to one part that was left out, and why (for the log).
+
+    ``breaks_protocol``: no honest peer sends this (a NaN or Inf part or weight, a negative weight: an honest peer's
+    local guard sends zeros with weight 0 instead), so the sender can be kept out of later groups at once."""
 
     sender: int
     reason: str
+    breaks_protocol: bool = False
 
 
 def screen_contributions(
@@ -92,7 +96,8 @@ def screen_contributions(
         if weight == 0.0:
             continue
         if not math.isfinite(weight) or weight < 0:
-            refusals.append(Refusal(sender, f"weight {weight!r} is not a finite positive number"))
+            refusals.append(Refusal(sender, f"weight {weight!r} is not a finite positive number",
+                                    breaks_protocol=True))
             continue
         if max_weights is not None:
             bound = float(max_weights[sender])
@@ -103,7 +108,7 @@ def screen_contributions(
                 refusals.append(Refusal(sender, f"weight {weight:g} lowered to {bound:g}, the samples on record"))
                 weight = bound  # still accepted, with the bound as its weight
         if not all_finite(part):
-            refusals.append(Refusal(sender, "its part holds NaN or Inf values"))
+            refusals.append(Refusal(sender, "its part holds NaN or Inf values", breaks_protocol=True))
             continue
         accepted.append(sender)
         accepted_weights.append(weight)
@@ -184,9 +189,10 @@ def aligned_centered_clip(
             its :class:`~lightning_swarm.reducer_checks.Combination` is appended (see that module).
         own: the reducer's own part among ``parts`` (None: it sent none), with ``statement``.
 
-    Returns (the result, each sender's alignment factor this round: 1.0 for a sender kept at full weight, each
-    sender's clip scale in the vote: ``min(1, radius / |x_i - u|)``, 1.0 for a sender within the radius (with 2
-    senders: its scale in :func:`_two_sender_clip`); both 1.0 without the screen or with 1 sender).
+    Returns (the result, each sender's alignment factor this round: 1.0 for a sender kept at full weight (with 2
+    senders: their agreement, see :func:`_two_sender_clip`), each sender's clip scale in the vote:
+    ``min(1, radius / |x_i - u|)``, 1.0 for a sender within the radius (with 2 senders: its scale in
+    :func:`_two_sender_clip`); both 1.0 without the screen or with 1 sender).
     """
     if len(parts) == 1:
         if statement is not None:
@@ -283,7 +289,9 @@ def _two_sender_clip(rows: Sequence[torch.Tensor], w: np.ndarray, prior: Optiona
     else both weigh ``w``), or to ``TWO_SENDER_AGREEING_CLIP`` times it if the two parts agree in
     direction (inner product >= 0), then weighted by ``w`` times ``prior``. Whatever one of them sends, the result
     goes along the other's part (its component along it is at least 0) and is at most 1.5 times as long as it.
-    Returns (result, [1.0, 1.0], each sender's ratio ``min(1, reference norm / its norm)``)."""
+    Returns (result, the pair's agreement twice: the cosine of the angle between the two parts, at least 0; each
+    sender's ratio ``min(1, reference norm / its norm)``). The agreement is what lets an honest sender's record
+    recover in a swarm whose rounds have 2 senders (:func:`lightning_swarm.small_rounds.two_sender_records`)."""
     scaled = w
     # the records decide only if one of the two is trusted: records both near 0 (an honest peer's noisy slice can
     # record 0 in a round of 3, a loud one's records ~0.01) would otherwise hand the weight, and the reference norm,
@@ -296,11 +304,12 @@ def _two_sender_clip(rows: Sequence[torch.Tensor], w: np.ndarray, prior: Optiona
     ratios = np.minimum(1.0, reference / np.maximum(norms, 1e-30))
     # parts that agree in direction (inner product >= 0) can't turn each other back: up to TWO_SENDER_AGREEING_CLIP
     # times the reference only bounds how much longer the step gets (noisy honest parts differ in length)
-    agree = float(torch.dot(rows[0], rows[1])) >= 0.0
+    dot = float(torch.dot(rows[0], rows[1]))
+    agree = dot >= 0.0
     scales = np.minimum(1.0, ratios * TWO_SENDER_AGREEING_CLIP) if agree else ratios
+    agreement = min(1.0, max(0.0, dot / max(float(norms[0] * norms[1]), 1e-30)))
     coefficients = scaled * scales / scaled.sum()
     if statement is not None:  # v = b_0 x_0 + b_1 x_1 + (1 - b_0 - b_1) * 0: the virtual part is zeros
-        dot = float(torch.dot(rows[0], rows[1]))
         gram = np.array([[norms[0] ** 2, dot], [dot, norms[1] ** 2]])
         zero = 1.0 - float(coefficients.sum())
         if own is not None:
@@ -309,7 +318,7 @@ def _two_sender_clip(rows: Sequence[torch.Tensor], w: np.ndarray, prior: Optiona
                                            float(w[own]) if own is not None else 0.0, exact.MODE_CLIPPED))
     estimate = torch.mul(rows[0], float(coefficients[0]))
     estimate.add_(rows[1], alpha=float(coefficients[1]))
-    return estimate.reshape(shape), [1.0, 1.0], ratios.tolist()
+    return estimate.reshape(shape), [agreement, agreement], ratios.tolist()
 
 
 def _clip_coefficients(w: np.ndarray, gram: np.ndarray, start_products: np.ndarray, start_norm2: float,

@@ -34,19 +34,25 @@ def lone_sender_refusal(sender: int, record: Optional[float]) -> Optional[Refusa
                            f"{LONE_SENDER_MIN_TRUST:g} from past rounds")
 
 
-def two_sender_records(senders: Sequence[int], scales: Sequence[float],
+def two_sender_records(senders: Sequence[int], agreement: float, scales: Sequence[float],
                        ) -> tuple[Dict[int, Tuple[float, float]], List[Refusal]]:
     """With the alignment screen, the records (:class:`SenderTrust`) of a part that 2 senders entered, from their
-    clip scales in :func:`_two_sender_clip`: one more than ``LOUD_RATIO`` times as long as the other is recorded as
-    an outlier (record ``LOUD_RATIO`` x its scale, evidence 1; also returned as a Refusal for the log), so that a x1e3
-    part (or -1e3 x: gradient ascent) is remembered from its first round, even in a swarm that never has 3 senders.
-    Nothing else is judged (a quiet liar looks like an honest peer in a round of 2): the other is only marked as seen
-    (record 1, evidence 0), which lets it send a part alone later. Returns (records by sender, refusals)."""
+    ``agreement`` (the cosine of the angle between their parts, at least 0) and their clip scales in
+    :func:`_two_sender_clip`: one more than ``LOUD_RATIO`` times as long as the other is recorded as an outlier
+    (record ``LOUD_RATIO`` x its scale, evidence 1; also returned as a Refusal for the log), so that a x1e3 part (or
+    -1e3 x: gradient ascent) is remembered from its first round, even in a swarm that never has 3 senders; the other
+    is only marked as seen (record 1, evidence 0). Otherwise both are recorded as going along (record 1) with the
+    agreement as evidence: parts that point the same way say both senders did their job, while parts at a right
+    angle or opposed say nothing of who lies (a quiet liar looks like an honest peer in a round of 2). An honest
+    sender outvoted once in a round of 3 (its slice mostly noise) would otherwise keep that record for the rest of a
+    swarm whose rounds have 2 senders; a liar regains its record only by sending what an honest sender sends.
+    Returns (records by sender, refusals)."""
+    loud_senders = {sender for sender, scale in zip(senders, scales) if LOUD_RATIO * scale < 1.0}
     records, loud = {}, []
     for sender, scale in zip(senders, scales):
-        if LOUD_RATIO * scale < 1.0:
+        if sender in loud_senders:
             records[sender] = (LOUD_RATIO * scale, 1.0)
             loud.append(Refusal(sender, f"its part is more than {LOUD_RATIO:g} times as long as the other sender's"))
         else:
-            records[sender] = (1.0, 0.0)
+            records[sender] = (1.0, 0.0 if loud_senders else float(agreement))
     return records, loud

@@ -40,6 +40,10 @@ class SampleWeightedGradientAverager(GradientAverager):
         *args, **kwargs: as hivemind's GradientAverager.
     """
 
+    # the local guard (_drop_non_finite_gradients) sends zeros with weight 0 for a non-finite gradient: a NaN or Inf
+    # in a peer's part is no accident, and its sender is kept out at once (RobustAveraging)
+    honest_parts_are_finite = True
+
     def __init__(self, *args, worker_momentum: float = 0.0, **kwargs):
         beta = check_worker_momentum(worker_momentum)
         # used in the training process only (the averager's own process never loads accumulators)

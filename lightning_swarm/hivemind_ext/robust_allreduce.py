@@ -87,7 +87,8 @@ def screen_and_aggregate(parts: Sequence[Optional[torch.Tensor]], weights: Seque
     the refusals (see :func:`lightning_swarm.aggregation.screen_contributions`), and each accepted sender's record
     for :class:`~lightning_swarm.aggregation.SenderTrust`: (its alignment factor times its clip scale, see
     :func:`lightning_swarm.aggregation.aligned_centered_clip`; its evidence, its weight relative to the median accepted
-    weight, at most 1); empty without ``min_alignment`` or with 1 accepted sender; with 2, only a loud one is judged.
+    weight, at most 1); empty without ``min_alignment`` or with 1 accepted sender; with 2, a loud one is judged low,
+    else both are judged by how far their parts agree (:func:`lightning_swarm.small_rounds.two_sender_records`).
     ``trust``: each sender's weight factor from its past rounds (with ``min_alignment``; None: a sender never seen,
     factor 1). With the screen, a part that only one sender entered is refused unless that sender was seen before
     (:func:`lightning_swarm.small_rounds.lone_sender_refusal`), and of 2 senders a loud one is recorded
@@ -115,7 +116,7 @@ def screen_and_aggregate(parts: Sequence[Optional[torch.Tensor]], weights: Seque
     if judged is None or len(accepted) < 2:
         return result, refusals, {}
     if len(accepted) == 2:
-        records, loud = two_sender_records(accepted, [scale for _, scale in judged])
+        records, loud = two_sender_records(accepted, judged[0][0], [scale for _, scale in judged])
         return result, refusals + loud, records
     for sender, (factor, _) in zip(accepted, judged):
         if factor < 1.0:
@@ -165,6 +166,7 @@ class RobustTensorPartReducer(TensorPartReducer):
         self.alignment: Dict[int, List[Tuple[float, float]]] = defaultdict(list)  # sender -> (record, evidence)/part
         self._parts_sent = [0] * num_senders  # parts each sender sent with a weight (for the log)
         self.refusals: Dict[int, Dict[str, int]] = defaultdict(lambda: defaultdict(int))  # sender -> reason -> parts
+        self.protocol_breaks: Dict[int, str] = {}  # sender -> the first refusal no honest peer's part gets
         self.parts_without_contribution = 0  # parts no sender entered with a positive weight (each keeps its own)
         self._parts: List[Optional[torch.Tensor]] = [None] * num_senders
         self._weights: List[float] = [0.0] * num_senders
@@ -240,6 +242,8 @@ class RobustTensorPartReducer(TensorPartReducer):
                 self.reduced[part_index] = reducer_checks.ReducedPart(list(parts), result, statement[0])
             for refusal in refusals:
                 self.refusals[refusal.sender][refusal.reason] += 1
+                if refusal.breaks_protocol:
+                    self.protocol_breaks.setdefault(refusal.sender, refusal.reason)
             if result is None:
                 self.parts_without_contribution += 1
             for sender, judged in factors.items():
@@ -454,6 +458,22 @@ class RobustAveraging(ReportMailbox):
             self.last_updated = get_dht_time()
             self._state_updated.set()
         finally:
+            self._keep_out_protocol_breakers(runner)
             runner.tensor_part_container.release_results()
             runner.tensor_part_reducer.reduced.clear()
             self.close_mailbox_later(group_id)
+
+    def _keep_out_protocol_breakers(self, runner: RobustAllReduceRunner) -> None:
+        """Keep out of later groups, at once, each sender whose part this peer's reducer refused for what no honest
+        peer sends (:attr:`~lightning_swarm.aggregation.Refusal.breaks_protocol`), in an averager whose honest
+        peers send only finite parts (``honest_parts_are_finite``: the gradient averager's local guard). Left in,
+        a NaN sender cost every round it joined: its claims on its own slice are not finite, so the round could not
+        be verified and each member refused every slice of it, until it was kept out for withholding 3 rounds
+        later. Averagers without that guard (state averaging: a peer whose parameters diverged sends them as they
+        are) only refuse the part."""
+        if not getattr(self, "honest_parts_are_finite", False):
+            return
+        senders = runner.sender_peer_ids
+        for sender, reason in runner.tensor_part_reducer.protocol_breaks.items():
+            if 0 <= sender < len(senders) and senders[sender] != self.peer_id:
+                self.exclude_peer(senders[sender], f"its part broke the protocol: {reason}")

@@ -131,12 +131,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, required=True, help="seed of this peer's tensor")
     parser.add_argument("--out", required=True, help="safetensors file for the averaged tensor")
     parser.add_argument("--initial-peer", default=None, help="multiaddr of a peer to join (none: start a DHT)")
-    parser.add_argument("--lie", choices=("none", "large", "subtle", "frame", "withhold", "tamper", "drop", "slow"),
+    parser.add_argument("--lie", choices=("none", "large", "subtle", "frame", "withhold", "tamper", "drop", "slow", "nan"),
                         default="none",
                         help="this peer's reducer lies (large, subtle), its reports on the others' slices (frame), "
                              "it sends no verification message (withhold), or it alters the messages it relays "
                              "between client-mode members (tamper) or drops them (drop); an honest member whose "
-                             "reports are ready late (slow: 1.5 verification timeouts late)")
+                             "reports are ready late (slow: 1.5 verification timeouts late); a member whose part "
+                             "is all NaN (nan: what the gradient averager's local guard never lets an honest peer "
+                             "send)")
     parser.add_argument("--group-size", type=int, default=3, help="peers in the group")
     parser.add_argument("--rounds", type=int, default=1, help="averaging rounds, one after the other")
     parser.add_argument("--no-verify", action="store_true", help="apply the reducers' results unchecked")
@@ -171,7 +173,7 @@ def main() -> None:
     # joined: "Averaging: received 72.7% results", and the round went unchecked)
     # (DiesWithParent: a peer that exits uncleanly takes its averager process with it, which holds the test's pipe)
     class Averager(DiesWithParent, PatientGroupRegistration, RobustAveraging, DecentralizedAverager):
-        pass
+        honest_parts_are_finite = True  # as the strategy's gradient averager (its local guard)
 
     if args.lie == "frame":
         install_frame()
@@ -181,7 +183,7 @@ def main() -> None:
         install_tamper(drop=args.lie == "drop")
     elif args.lie == "slow":
         install_slow(1.5 * args.verification_timeout)
-    elif args.lie != "none":
+    elif args.lie not in ("none", "nan"):
         install_lie(args.lie)
     # an identity whose key this peer holds, as the strategy's peers have: client-mode members sign the messages
     # that reachable members relay between them with it
@@ -195,6 +197,8 @@ def main() -> None:
     if not args.initial_peer:
         print("PEER", dht.get_visible_maddrs()[0], flush=True)
     tensor = make_tensor(args.seed)
+    if args.lie == "nan":
+        tensor.fill_(float("nan"))
     averager = Averager([tensor.clone()], dht=dht, prefix="lying_reducer_test",
                         target_group_size=args.group_size, min_group_size=args.group_size, min_matchmaking_time=3.0,
                         request_timeout=1.0, compression=NoCompression(),

@@ -4,8 +4,8 @@ The honest peers refuse its slice, name it in the log and keep it out of their l
 within the range of the inputs at every coordinate (the liar sends an honest part: only its reduction lies).
 Without the check the same lie lands in the honest peers' tensors (the test's control). Also: a liar that is an
 auxiliary peer, a group with one and with two client-mode members (their messages relayed, signed, by the reachable
-ones), a relay that alters or drops what it relays, a framing member (false reports) and a member that withholds its
-verification messages."""
+ones), a relay that alters or drops what it relays, a framing member (false reports), a member that withholds its
+verification messages and one that sends a NaN part."""
 
 from __future__ import annotations
 
@@ -225,3 +225,22 @@ def test_a_member_that_withholds_its_verification_messages_loses_its_seat(tmp_pa
         assert f"peer {withholder_id} is kept out of this peer's later groups: it withheld" in log, log[-3000:]
         assert log.count("is kept out of this peer's later groups") == 1, log[-3000:]
         assert "failed the check" not in log and "dispute" not in log, log[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_member_that_sends_a_nan_part_is_kept_out_after_its_first_round(tmp_path):
+    """A NaN part is what no honest gradient averager sends (its local guard sends zeros with weight 0): each honest
+    reducer refuses it and keeps its sender out at once. (Before, the sender's claims on its own slice were not
+    finite, so each of its rounds was unverifiable for everyone, and it lost its seat only after 3 of them: the
+    Byzantine swarm's ``nan`` case under load.)"""
+    honest, _, nan_id, logs = run_round(tmp_path, "nan")
+    inputs = torch.stack([peer["input"] for peer in honest])
+    low, high = inputs.min(dim=0).values, inputs.max(dim=0).values
+    for peer, log in zip(honest, logs):
+        averaged = peer["averaged"]
+        assert torch.isfinite(averaged).all(), log[-3000:]
+        assert bool(((averaged >= low - 1e-5) & (averaged <= high + 1e-5)).all()), log[-3000:]
+        assert (f"peer {nan_id} is kept out of this peer's later groups: its part broke the protocol: its part "
+                f"holds NaN or Inf values") in log, log[-3000:]
+        assert log.count("is kept out of this peer's later groups") == 1, log[-3000:]
