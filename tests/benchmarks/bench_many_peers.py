@@ -14,6 +14,8 @@ Per run (one row), over the steady window (from BENCH_WARMUP s after every peer 
 - entered: the share of the samples peers processed that entered a global step (the rest: a peer that fell behind
   and loaded the state, a failed round, a peer killed before its round);
 - partial: hivemind's partial-round warnings ("Reducer/Averaging: received x%") in all logs of the run;
+- failed, resync: the window's epoch transitions after a failed gradient round (local gradients) or a catch-up
+  (counted in the window only since 2026-11-28: rounds under way when the peers stop at the run's end fail too);
 - wait s/step: per peer, seconds of its local steps beyond the simulated compute, per global step (mean of peers);
 - loss/ref: the peers' excess loss after the last global step of the window, over one process (computed here) that
   took SGD steps with the same number of samples per global step (the sum of what the peers reported as entered);
@@ -197,8 +199,9 @@ def analyse(swarm: ManyPeerSwarm, t0: float, t1: float, ideal: float) -> dict:
         rss=statistics.mean(memory) if memory else float("nan"), pss=statistics.mean(pss) if pss else float("nan"),
         cpu_main=statistics.mean(cpu_main) if cpu_main else float("nan"),
         cpu_background=statistics.mean(cpu_background) if cpu_background else float("nan"),
-        failed=sum(1 for e in transitions if "failed" in e["outcomes"]),
-        resync=sum(1 for e in transitions if "resync" in e["outcomes"]),
+        # in the window only: a round under way when the peers stop at the run's end fails for its members
+        failed=sum(1 for e in window if "failed" in e["outcomes"]),
+        resync=sum(1 for e in window if "resync" in e["outcomes"]),
     )
 
 
