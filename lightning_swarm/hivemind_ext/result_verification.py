@@ -31,7 +31,8 @@ timeout), so a pair with one reachable member exchanges both ways in one call: a
 connection) calls the others and nobody calls it. Two client-mode members can't reach each other: each deposits its
 messages, signed with its identity key, with every reachable member (``rpc_reducer_relay``) and gets the other
 client-mode members' back (:mod:`~lightning_swarm.hivemind_ext.relayed_messages`); a relay that answers after its
-timeout without a slower member's record is asked again, until twice the timeout. A relay can drop a message, not
+timeout without a slower member's record is asked again, until twice the timeout, and the whole exchange ends twice
+the timeout after it began (``EXCHANGE_TIMEOUTS``: a relay that died costs no more). A relay can drop a message, not
 alter it: one that serves an altered record is kept out, and a message only relays could bring counts against
 nobody when it is missing.
 
@@ -69,6 +70,11 @@ NONCE_BYTES = 32
 DEFAULT_VERIFICATION_TIMEOUT = 10.0  # seconds a member waits for the others' messages of one phase
 MAX_MAILBOXES = 64  # rounds in flight whose messages a peer keeps
 RELAY_MIN_WAIT = 0.5  # a relay that answers without some records sooner than this share of the timeout dropped them
+# the whole exchange after a round (every phase, relays included) ends this many verification timeouts after it
+# began: a relay that died after the all-reduce made a client-mode member wait twice the timeout for it in each
+# phase and then the timeout again, past the optimizer's averaging_timeout, which threw the whole round away
+# ("Averaging gradients failed with TimeoutError()": local gradients, the peers' parameters apart)
+EXCHANGE_TIMEOUTS = 2.0
 
 
 class MalformedMessage(ValueError):
@@ -107,6 +113,14 @@ def parse_verification_message(message: averaging_pb2.AveragingData, group_id: b
     except MalformedTensor as e:
         raise MalformedMessage(f"report values: {e}") from None
     return values.numpy().astype(np.float64, copy=False)
+
+
+def _left(timeout: float, until: Optional[float]) -> float:
+    """``timeout``, or less if the event loop's time ``until`` comes sooner (at least 0.1 s: a call that is given
+    no time at all can't even fail)."""
+    if until is None:
+        return timeout
+    return max(0.1, min(timeout, until - asyncio.get_running_loop().time()))
 
 
 class _Mailbox:
@@ -331,25 +345,27 @@ class ReportMailbox:
         asyncio.get_running_loop().call_later(self.verification_timeout, self.close_mailbox, group_id)
 
     async def _send_all(self, peers: Sequence[PeerID], message: averaging_pb2.AveragingData, mailbox: _Mailbox,
-                        ) -> None:
+                        until: Optional[float] = None) -> None:
         """Send ``message`` to each of ``peers``; each answers with its own message of the same phase (kept in
-        ``mailbox``, as if it had called)."""
+        ``mailbox``, as if it had called). ``until``: the event loop's time by which to give up (default: one
+        verification timeout from now)."""
         async def send(peer):
             try:
                 stub = type(self).get_stub(self._p2p, peer, namespace=self.prefix)
-                answer = await asyncio.wait_for(stub.rpc_reducer_report(message), self.verification_timeout)
+                answer = await asyncio.wait_for(stub.rpc_reducer_report(message), _left(self.verification_timeout, until))
                 if answer.group_id == message.group_id and answer.weight == message.weight:
                     mailbox.put(int(message.weight), peer, answer)
             except Exception as e:  # its absence is what the others see
                 log.debug(f"could not send a verification message to {peer}: {e!r}")
         await asyncio.gather(*(send(peer) for peer in peers))
 
-    async def _relay_all(self, relays: Sequence[PeerID], message: averaging_pb2.AveragingData, mailbox: _Mailbox
-                         ) -> None:
+    async def _relay_all(self, relays: Sequence[PeerID], message: averaging_pb2.AveragingData, mailbox: _Mailbox,
+                         until: Optional[float] = None) -> None:
         """Deposit ``message``, signed, with each of ``relays`` (reachable members) and keep the other client-mode
         members' messages of the same phase that each relays (checked: signed by a client-mode member of the group
         other than this peer, within its size). A relay that serves an altered record is kept out: it checks each
-        record before keeping it, so it altered it."""
+        record before keeping it, so it altered it. ``until``: the event loop's time by which to give up (default:
+        twice the verification timeout from now)."""
         if not relays:
             return
         if self._signing_key is None:
@@ -366,7 +382,7 @@ class ReportMailbox:
             # verification_timeout: a member that deposits later (a slower peer: CI saw one report missing, the
             # round unchecked) reaches this peer only if it asks again, until its own deadline.
             loop = asyncio.get_running_loop()
-            deadline = loop.time() + 2 * self.verification_timeout
+            deadline = loop.time() + _left(2 * self.verification_timeout, until)
             request = averaging_pb2.AveragingData(group_id=message.group_id, weight=message.weight, peer_id=record)
             stub = type(self).get_stub(self._p2p, peer, namespace=self.prefix)
             while True:
@@ -455,12 +471,14 @@ class ReportMailbox:
             return set(reducers)
         timeout = self.verification_timeout
         nonce = os.urandom(NONCE_BYTES)
+        exchange_end = asyncio.get_running_loop().time() + EXCHANGE_TIMEOUTS * timeout
 
         async def phase(number: int, payload: averaging_pb2.AveragingData) -> Dict[PeerID, object]:
             payload.group_id, payload.weight = group_id, float(number)
             mailbox.post(number, payload)
-            await asyncio.gather(self._send_all(callees, payload, mailbox), self._relay_all(relays, payload, mailbox))
-            received = await mailbox.wait(number, others, timeout)
+            await asyncio.gather(self._send_all(callees, payload, mailbox, until=exchange_end),
+                                 self._relay_all(relays, payload, mailbox, until=exchange_end))
+            received = await mailbox.wait(number, others, _left(timeout, exchange_end))
             parsed = {}
             for peer, message in received.items():
                 try:

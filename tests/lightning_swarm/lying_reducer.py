@@ -126,19 +126,52 @@ def install_slow(seconds: float) -> None:
     result_verification._member_reports = slow
 
 
+def install_vanish() -> None:
+    """Make this peer die, its whole process group at once (a machine that goes away), once the commitment and nonce
+    phases of its first round's verification are over: its groupmates then wait for its report, and client-mode
+    members for it as a relay."""
+    import signal
+
+    from lightning_swarm.hivemind_ext import result_verification
+
+    def vanish(*args, **kwargs):
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    result_verification._member_reports = vanish
+
+
+def install_verification_timer() -> None:
+    """Print how long each of this peer's verification exchanges took ("VERIFIED <seconds>"), from its averager's
+    process."""
+    import time
+
+    from lightning_swarm.hivemind_ext.result_verification import ReportMailbox
+
+    honest = ReportMailbox.verify_results
+
+    async def timed(self, runner, group_id):
+        start = time.monotonic()
+        try:
+            return await honest(self, runner, group_id)
+        finally:
+            print(f"VERIFIED {time.monotonic() - start:.2f}", flush=True)
+
+    ReportMailbox.verify_results = timed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seed", type=int, required=True, help="seed of this peer's tensor")
     parser.add_argument("--out", required=True, help="safetensors file for the averaged tensor")
     parser.add_argument("--initial-peer", default=None, help="multiaddr of a peer to join (none: start a DHT)")
-    parser.add_argument("--lie", choices=("none", "large", "subtle", "frame", "withhold", "tamper", "drop", "slow", "nan"),
+    parser.add_argument("--lie", choices=("none", "large", "subtle", "frame", "withhold", "tamper", "drop", "slow", "nan", "vanish"),
                         default="none",
                         help="this peer's reducer lies (large, subtle), its reports on the others' slices (frame), "
                              "it sends no verification message (withhold), or it alters the messages it relays "
                              "between client-mode members (tamper) or drops them (drop); an honest member whose "
                              "reports are ready late (slow: 1.5 verification timeouts late); a member whose part "
                              "is all NaN (nan: what the gradient averager's local guard never lets an honest peer "
-                             "send)")
+                             "send); a member that dies with its whole process group after the nonce phase (vanish)")
     parser.add_argument("--group-size", type=int, default=3, help="peers in the group")
     parser.add_argument("--rounds", type=int, default=1, help="averaging rounds, one after the other")
     parser.add_argument("--no-verify", action="store_true", help="apply the reducers' results unchecked")
@@ -183,8 +216,11 @@ def main() -> None:
         install_tamper(drop=args.lie == "drop")
     elif args.lie == "slow":
         install_slow(1.5 * args.verification_timeout)
+    elif args.lie == "vanish":
+        install_vanish()
     elif args.lie not in ("none", "nan"):
         install_lie(args.lie)
+    install_verification_timer()
     # an identity whose key this peer holds, as the strategy's peers have: client-mode members sign the messages
     # that reachable members relay between them with it
     identity = args.out + ".identity"
