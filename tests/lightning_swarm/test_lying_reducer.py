@@ -262,12 +262,12 @@ def test_a_relay_that_dies_during_the_check_costs_client_mode_members_at_most_th
     lost: "Averaging gradients failed with TimeoutError()".)"""
     from lightning_swarm.hivemind_ext.result_verification import EXCHANGE_TIMEOUTS
 
-    timeout = 4.0
+    timeout = 6.0  # before the change a client-mode member took 3 timeouts (18 s), now at most 2 (12 s)
     honest, _, dead_id, logs = run_round(
         tmp_path, "vanish", roles=[("none", False), ("none", True), ("none", True), ("vanish", False)],
         verification_timeout=timeout, liar_dies=True)
     for peer, log in zip(honest, logs):
         (seconds,) = [float(line.split()[1]) for line in log.splitlines() if line.startswith("VERIFIED")]
-        assert seconds <= EXCHANGE_TIMEOUTS * timeout + 1.0, log[-3000:]
+        assert seconds <= EXCHANGE_TIMEOUTS * timeout + 3.0, log[-3000:]
         assert torch.isfinite(peer["averaged"]).all()
         assert "refused the slice reduced by" in log or "no verification this round" in log, log[-3000:]
