@@ -352,7 +352,8 @@ class ReportMailbox:
         async def send(peer):
             try:
                 stub = type(self).get_stub(self._p2p, peer, namespace=self.prefix)
-                answer = await asyncio.wait_for(stub.rpc_reducer_report(message), _left(self.verification_timeout, until))
+                answer = await asyncio.wait_for(stub.rpc_reducer_report(message),
+                                                _left(self.verification_timeout, until))
                 if answer.group_id == message.group_id and answer.weight == message.weight:
                     mailbox.put(int(message.weight), peer, answer)
             except Exception as e:  # its absence is what the others see
