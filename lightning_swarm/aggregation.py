@@ -86,7 +86,9 @@ def screen_contributions(
             lowered to the bound (an honest peer's claim may run slightly ahead of its last progress record).
 
     Returns (indices of the accepted senders, their weights, refusals). A weight of exactly 0 is hivemind's way of
-    tagging along without contributing: left out, but not a refusal.
+    tagging along without contributing: left out, but not a refusal, unless its part holds NaN or Inf (an honest
+    gradient averager's local guard sends zeros: a NaN sender whose own guard set its weight to 0 went on making
+    every round it joined unverifiable, its claims on its own slice not finite).
     """
     accepted, accepted_weights, refusals = [], [], []
     for sender, (part, weight) in enumerate(zip(parts, weights)):
@@ -94,6 +96,8 @@ def screen_contributions(
             continue
         weight = float(weight)
         if weight == 0.0:
+            if not all_finite(part):
+                refusals.append(Refusal(sender, "its part holds NaN or Inf values", breaks_protocol=True))
             continue
         if not math.isfinite(weight) or weight < 0:
             refusals.append(Refusal(sender, f"weight {weight!r} is not a finite positive number",

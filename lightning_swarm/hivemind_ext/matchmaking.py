@@ -9,6 +9,9 @@ swarm on 2 CPU cores that cost each peer about a third of a core, taken from tra
 ``ThrottledPotentialLeaders`` waits at least ``poll_interval`` seconds between two polls; a leader is still found
 within one interval of its declaration, and joining requests (which leaders receive over RPC) are unaffected.
 ``ThrottledLeaderSearch`` installs it in any hivemind averager class it is mixed into.
+
+It also never asks a peer this peer keeps out of its groups (``RobustAveraging``'s ``excluded_peers``) to lead it:
+such a leader's group would be left at the all-reduce, a round lost for the honest members that joined it too.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ from __future__ import annotations
 import asyncio
 import time
 from math import isfinite
-from typing import Optional
+from typing import Callable, Container, Optional
 
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.matchmaking import Matchmaking, PotentialLeaders
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS
 
@@ -34,15 +38,18 @@ class ThrottledPotentialLeaders(PotentialLeaders):
 
     Args:
         poll_interval: minimum seconds between two reads of the declared averagers.
+        kept_out: returns the peers this peer keeps out of its groups: never asked to lead it (a group it joins
+            with one of them, it leaves; None: every declared leader is asked).
         *args: as ``hivemind.averaging.matchmaking.PotentialLeaders`` (peer_id, min_matchmaking_time,
             target_group_size).
     """
 
-    def __init__(self, *args, poll_interval: float):
+    def __init__(self, *args, poll_interval: float, kept_out: Optional[Callable[[], Container[PeerID]]] = None):
         if poll_interval < 0:
             raise ValueError(f"poll_interval must be >= 0 seconds, got {poll_interval!r}")
         super().__init__(*args)
         self.poll_interval = poll_interval
+        self.kept_out = kept_out
         self.num_polls = 0  # reads of the declared averagers so far (for tests and diagnostics)
 
     async def _update_queue_periodically(self, key_manager: GroupKeyManager) -> None:
@@ -60,8 +67,9 @@ class ThrottledPotentialLeaders(PotentialLeaders):
                 self.max_assured_time, get_dht_time() + self.min_matchmaking_time - MAX_DHT_TIME_DISCREPANCY_SECONDS
             )
             self.leader_queue.clear()
+            kept_out = self.kept_out() if self.kept_out is not None else ()
             for peer, peer_expiration_time in new_peers:
-                if peer == self.peer_id or (peer, peer_expiration_time) in self.past_attempts:
+                if peer == self.peer_id or (peer, peer_expiration_time) in self.past_attempts or peer in kept_out:
                     continue
                 self.leader_queue.store(peer, peer_expiration_time, peer_expiration_time)
                 self.max_assured_time = max(self.max_assured_time, peer_expiration_time - MAX_DHT_TIME_DISCREPANCY_SECONDS)
@@ -103,6 +111,7 @@ class ThrottledLeaderSearch:
         if interval is None:
             interval = default_poll_interval(leaders.min_matchmaking_time)
         matchmaking.potential_leaders = ThrottledPotentialLeaders(
-            leaders.peer_id, leaders.min_matchmaking_time, leaders.target_group_size, poll_interval=interval
+            leaders.peer_id, leaders.min_matchmaking_time, leaders.target_group_size, poll_interval=interval,
+            kept_out=lambda: getattr(self, "excluded_peers", ()),  # RobustAveraging's, where it is mixed in
         )
         self.__dict__["_matchmaking"] = matchmaking

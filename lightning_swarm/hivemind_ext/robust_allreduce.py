@@ -143,6 +143,9 @@ class RobustTensorPartReducer(TensorPartReducer):
         on_alignment: called once, when the round ends, with each judged sender's (record, evidence) over this
             reducer's parts (see :class:`~lightning_swarm.aggregation.SenderTrust`; senders never judged:
             left out).
+        on_protocol_break: called with a sender's index and the reason as soon as one of its parts is refused for
+            what no honest peer sends (:attr:`~lightning_swarm.aggregation.Refusal.breaks_protocol`), once per
+            sender.
         statements: make each result an exact combination of the parts and keep its statement for the senders
             (:mod:`~lightning_swarm.hivemind_ext.result_verification`).
         own_sender: this reducer's own sender index (None: it sends nothing), with ``statements``.
@@ -154,6 +157,7 @@ class RobustTensorPartReducer(TensorPartReducer):
                  max_weights: Optional[Sequence[float]] = None, min_alignment: Optional[float] = None,
                  trust: Optional[Sequence[Optional[float]]] = None,
                  on_alignment: Optional[Callable[[Dict[int, Tuple[float, float]]], None]] = None,
+                 on_protocol_break: Optional[Callable[[int, str], None]] = None,
                  statements: bool = False, own_sender: Optional[int] = None):
         self.sender_names, self.aggregation = list(sender_names), aggregation
         # part index -> its Combination (reducer_checks), attached to each sender's result (result_verification)
@@ -163,6 +167,7 @@ class RobustTensorPartReducer(TensorPartReducer):
         self.own_sender = own_sender
         self.centered_clip_tau, self.centered_clip_iters, self.max_weights = centered_clip_tau, centered_clip_iters, max_weights
         self.min_alignment, self.trust, self.on_alignment = min_alignment, trust, on_alignment
+        self.on_protocol_break = on_protocol_break
         self.alignment: Dict[int, List[Tuple[float, float]]] = defaultdict(list)  # sender -> (record, evidence)/part
         self._parts_sent = [0] * num_senders  # parts each sender sent with a weight (for the log)
         self.refusals: Dict[int, Dict[str, int]] = defaultdict(lambda: defaultdict(int))  # sender -> reason -> parts
@@ -242,8 +247,12 @@ class RobustTensorPartReducer(TensorPartReducer):
                 self.reduced[part_index] = reducer_checks.ReducedPart(list(parts), result, statement[0])
             for refusal in refusals:
                 self.refusals[refusal.sender][refusal.reason] += 1
-                if refusal.breaks_protocol:
-                    self.protocol_breaks.setdefault(refusal.sender, refusal.reason)
+                if refusal.breaks_protocol and refusal.sender not in self.protocol_breaks:
+                    self.protocol_breaks[refusal.sender] = refusal.reason
+                    if self.on_protocol_break is not None:
+                        # now, not when the round ends: a part that waited for a late sender is aggregated after
+                        # this peer's round may have ended (measured: the NaN sender then stayed in its groups)
+                        self.on_protocol_break(refusal.sender, refusal.reason)
             if result is None:
                 self.parts_without_contribution += 1
             for sender, judged in factors.items():
@@ -343,13 +352,16 @@ class RobustAllReduceRunner(StatedResults, CheckedPartStreams, AllReduceRunner):
             ``min_alignment``.
         verify: state each result exactly and keep the results for the check of the reducers
             (:mod:`~lightning_swarm.hivemind_ext.result_verification`).
+        on_protocol_break: called with a sender's peer id and the reason as soon as this peer's reducer refuses one
+            of its parts for breaking the protocol (see :class:`RobustTensorPartReducer`); None: only refused.
         **kwargs: as hivemind's AllReduceRunner (and its TensorPartContainer).
     """
 
     def __init__(self, *, aggregation: str = "mean", centered_clip_tau: Optional[float] = None,
                  centered_clip_iters: int = DEFAULT_CENTERED_CLIP_ITERS,
                  max_weight_by_peer: Optional[Dict[PeerID, float]] = None, min_alignment: Optional[float] = None,
-                 sender_trust: Optional[SenderTrust] = None, verify: bool = False, **kwargs):
+                 sender_trust: Optional[SenderTrust] = None, verify: bool = False,
+                 on_protocol_break: Optional[Callable[[PeerID, str], None]] = None, **kwargs):
         super().__init__(**kwargs)
         # hivemind builds its container and reducer inline: replace both (marked finished, they finalize silently)
         self.tensor_part_container.finished.set()
@@ -376,6 +388,8 @@ class RobustAllReduceRunner(StatedResults, CheckedPartStreams, AllReduceRunner):
             sender_names=[str(peer) for peer in self.sender_peer_ids], aggregation=aggregation,
             centered_clip_tau=centered_clip_tau, centered_clip_iters=centered_clip_iters, max_weights=max_weights,
             min_alignment=min_alignment, trust=trust, on_alignment=on_alignment, statements=verify,
+            on_protocol_break=None if on_protocol_break is None else (
+                lambda sender, reason: on_protocol_break(self.sender_peer_ids[sender], reason)),
             own_sender=self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None,
         )
 
@@ -433,7 +447,9 @@ class RobustAveraging(ReportMailbox):
             ordered_peer_ids=group_info.peer_ids, aggregation=self.aggregation,
             centered_clip_tau=self.centered_clip_tau, centered_clip_iters=self.centered_clip_iters,
             max_weight_by_peer=await self.sender_weight_bounds(group_info), min_alignment=self.min_alignment,
-            sender_trust=self.sender_trust, verify=self.verify_reducers, **kwargs,
+            sender_trust=self.sender_trust, verify=self.verify_reducers,
+            on_protocol_break=self._keep_out_protocol_breaker if getattr(self, "honest_parts_are_finite", False)
+            else None, **kwargs,
         )
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
@@ -458,22 +474,17 @@ class RobustAveraging(ReportMailbox):
             self.last_updated = get_dht_time()
             self._state_updated.set()
         finally:
-            self._keep_out_protocol_breakers(runner)
             runner.tensor_part_container.release_results()
             runner.tensor_part_reducer.reduced.clear()
             self.close_mailbox_later(group_id)
 
-    def _keep_out_protocol_breakers(self, runner: RobustAllReduceRunner) -> None:
-        """Keep out of later groups, at once, each sender whose part this peer's reducer refused for what no honest
-        peer sends (:attr:`~lightning_swarm.aggregation.Refusal.breaks_protocol`), in an averager whose honest
-        peers send only finite parts (``honest_parts_are_finite``: the gradient averager's local guard). Left in,
-        a NaN sender cost every round it joined: its claims on its own slice are not finite, so the round could not
-        be verified and each member refused every slice of it, until it was kept out for withholding 3 rounds
-        later. Averagers without that guard (state averaging: a peer whose parameters diverged sends them as they
-        are) only refuse the part."""
-        if not getattr(self, "honest_parts_are_finite", False):
-            return
-        senders = runner.sender_peer_ids
-        for sender, reason in runner.tensor_part_reducer.protocol_breaks.items():
-            if 0 <= sender < len(senders) and senders[sender] != self.peer_id:
-                self.exclude_peer(senders[sender], f"its part broke the protocol: {reason}")
+    def _keep_out_protocol_breaker(self, sender: PeerID, reason: str) -> None:
+        """Keep ``sender`` out of later groups, at once, as this peer's reducer refuses its part for what no honest
+        peer sends (:attr:`~lightning_swarm.aggregation.Refusal.breaks_protocol`); installed only in averagers whose
+        honest peers send only finite parts (``honest_parts_are_finite``: the gradient averager's local guard).
+        Left in, a NaN sender cost every round it joined: its claims on its own slice are not finite, so the round
+        could not be verified and each member refused every slice of it, until it was kept out for withholding 3
+        rounds later. Averagers without that guard (state averaging: a peer whose parameters diverged sends them as
+        they are) only refuse the part."""
+        if sender != self.peer_id:
+            self.exclude_peer(sender, f"its part broke the protocol: {reason}")

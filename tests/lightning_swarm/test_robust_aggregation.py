@@ -81,14 +81,16 @@ def test_screening_refuses_bad_weights_and_non_finite_parts_and_lowers_weights_t
     part = torch.ones(4)
     nan_part = part.clone()
     nan_part[2] = float("nan")
-    parts = [part, part, part, part, nan_part, part, None, part]
-    weights = [8.0, float("nan"), -1.0, 1e9, 8.0, 0.0, 8.0, 5.0]
-    bounds = [10.0, 10.0, 10.0, 10.0, 10.0, 10.0, 10.0, 0.0]
+    parts = [part, part, part, part, nan_part, part, None, part, nan_part]
+    weights = [8.0, float("nan"), -1.0, 1e9, 8.0, 0.0, 8.0, 5.0, 0.0]
+    bounds = [10.0, 10.0, 10.0, 10.0, 10.0, 10.0, 10.0, 0.0, 10.0]
     accepted, accepted_weights, refusals = screen_contributions(parts, weights, bounds)
     assert accepted == [0, 3] and accepted_weights == [8.0, 10.0]
     reasons = {refusal.sender: refusal.reason for refusal in refusals}
-    assert set(reasons) == {1, 2, 3, 4, 7}  # 5 tags along with weight 0, 6 sent nothing
+    assert set(reasons) == {1, 2, 3, 4, 7, 8}  # 5 tags along with weight 0, 6 sent nothing
     assert "lowered to 10" in reasons[3] and "NaN" in reasons[4] and "no samples" in reasons[7]
+    # what no honest peer sends (an honest peer's guard sends zeros with weight 0, never NaN): kept out at once
+    assert {refusal.sender for refusal in refusals if refusal.breaks_protocol} == {1, 2, 4, 8}
 
 
 def test_aggregation_options_are_checked():
@@ -168,6 +170,30 @@ def test_a_weight_0_sender_gets_its_own_zeros_back_after_the_only_contributor_is
     assert all(torch.equal(result, torch.full((4,), 2.0)) for result in first_part)  # the contributor's part
     assert torch.equal(second_part, torch.zeros(4))  # its own zeros back
     assert "no sender contributed with a positive weight to 1 of 2 parts" in caplog.text
+
+
+def test_reducer_reports_a_protocol_break_as_soon_as_it_refuses_the_part():
+    """The averager keeps a NaN sender out of its later groups from this report; when it came at the round's end
+    instead, a part that waited for a late sender was aggregated after the round had ended, and the NaN sender stayed
+    in that peer's groups (test_byzantine_swarm.py's nan case)."""
+    reported = []
+
+    async def main():
+        reducer = RobustTensorPartReducer([torch.Size([4])] * 2, 3, sender_names=["a", "b", "nan"],
+                                          on_protocol_break=lambda sender, reason: reported.append((sender, reason)))
+        nan_part = torch.full((4,), float("nan"))
+        await asyncio.gather(reducer.accumulate_part(0, 0, torch.ones(4), weight=1.0),
+                             reducer.accumulate_part(1, 0, torch.ones(4), weight=1.0),
+                             reducer.accumulate_part(2, 0, nan_part, weight=1.0))
+        before_the_end = list(reported)  # the first part is aggregated; the round is not over
+        await asyncio.gather(*(reducer.accumulate_part(i, 1, nan_part if i == 2 else torch.ones(4), weight=1.0)
+                               for i in range(3)))
+        reducer.finalize()
+        return before_the_end
+
+    before_the_end = asyncio.run(main())
+    assert before_the_end == [(2, "its part holds NaN or Inf values")]
+    assert reported == before_the_end  # once per sender
 
 
 def test_container_refuses_a_non_finite_result_from_a_reducer(caplog):
