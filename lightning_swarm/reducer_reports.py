@@ -345,6 +345,12 @@ def reducer_claims(seed: bytes, reducer: int, parts: Sequence[ReducedPart], memb
         for s in others:
             b = statement.coefficients[s]
             received = part.received[s].reshape(-1).float()
+            if b == 0 and not bool(torch.isfinite(received).all()):
+                # a part refused for NaN/Inf (coefficient 0): its row stays zeros, so that the claims stay finite
+                # and the honest members can still check this slice (its sender's own report is refused anyway)
+                sets.append([(result, -share_zero)])
+                error2[s] += ((RESULT_ROUNDING + PROJECTION_ROUNDING * share_zero) * result_norm) ** 2
+                continue
             difference = received - result  # minus the delta this sender got (before the codec's rounding)
             distance = float(difference.norm())
             distances[s, index] = distance

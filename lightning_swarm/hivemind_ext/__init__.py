@@ -72,6 +72,8 @@ Every private name used is listed in :data:`~lightning_swarm.hivemind_ext.privat
       (with ``TensorPartContainer._input_parts_by_peer``, this peer's own parts).
 ``result_verification`` (every other member's reduced slice is checked before it is applied, issue 24 item 9)
     - ``AllReduceRunner.tensor_part_container`` holds the kept results; ``sender_peer_ids`` exchange reports.
+    - ``TensorPartReducer.num_parts_received`` and ``num_parts``: a sender that sent this reducer none of its parts
+      failed the round (no verification wait for it).
     - ``DecentralizedAverager._p2p``: calls the members' ``rpc_reducer_report``; ``ServicerBase._rpc_handlers`` and
       ``ServicerBase._stub_type`` reset for each class with the mixin, so that hivemind collects that handler.
 ``gathered_checks`` (a group member's gathered data, checked before hivemind decodes the group's)

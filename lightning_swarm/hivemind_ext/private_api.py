@@ -213,6 +213,10 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
     + _symbols("hivemind.averaging.partition", "result_records", [
         ("TensorPartContainer._input_parts_by_peer", "this peer's own parts, kept with the results for the check"),
     ], instance=True)
+    + _symbols("hivemind.averaging.partition", "result_verification", [
+        ("TensorPartReducer.num_parts_received", "a sender that sent none of its parts failed the round"),
+        ("TensorPartReducer.num_parts", "whether this peer's reducer had parts to collect"),
+    ], instance=True)
     + _symbols("hivemind.averaging.averager", "result_verification", [
         ("DecentralizedAverager._p2p", "calls the other members' rpc_reducer_report"),
     ], instance=True)

@@ -595,10 +595,17 @@ def _message_cap(report_values: int) -> int:
 
 def _failed_members(runner, others: Sequence[PeerID]) -> List[str]:
     """The members this peer's all-reduce saw fail: reducers whose results did not come by ``next_chunk_timeout``
-    (most often dead). Senders banned for a late part are not among them: they are alive, their parts have no mass
-    in the slice that banned them, and the check runs as usual."""
+    (most often dead), and senders that sent this peer's reducer none of their parts (dead, or left the group at
+    its all-reduce: a peer that keeps a groupmate out of its groups does, and where it reduced nothing, its
+    groupmates used to wait for its verification messages until the round's timeout cancelled the whole round).
+    Senders banned for a late part are not among them: they are alive, their parts have no mass in the slice that
+    banned them, and the check runs as usual."""
     peers = list(runner.ordered_peer_ids)
     failed = {peers[index] for index in runner.tensor_part_container.failed_reducers}
+    reducer = runner.tensor_part_reducer
+    if reducer.num_parts > 0:
+        failed.update(peer for index, peer in enumerate(runner.sender_peer_ids)
+                      if index < len(reducer.num_parts_received) and reducer.num_parts_received[index] == 0)
     return sorted(str(peer) for peer in others if peer in failed)
 
 

@@ -140,6 +140,19 @@ def install_vanish() -> None:
     result_verification._member_reports = vanish
 
 
+def install_leave() -> None:
+    """Make this peer leave every group it joins at the start of the all-reduce, alive, as a peer does that keeps a
+    groupmate out of its groups: its groupmates get no part from it and no reduction of its slice."""
+    from hivemind.averaging.matchmaking import MatchmakingException
+
+    from lightning_swarm.hivemind_ext.robust_allreduce import RobustAveraging
+
+    async def leave(self, tensors, group_info, group_id=None, **kwargs):
+        raise MatchmakingException("left the group (lying_reducer.py --lie leave)")
+
+    RobustAveraging._run_allreduce_inplace_ = leave
+
+
 def install_verification_timer() -> None:
     """Print how long each of this peer's verification exchanges took ("VERIFIED <seconds>"), from its averager's
     process."""
@@ -164,15 +177,19 @@ def main() -> None:
     parser.add_argument("--seed", type=int, required=True, help="seed of this peer's tensor")
     parser.add_argument("--out", required=True, help="safetensors file for the averaged tensor")
     parser.add_argument("--initial-peer", default=None, help="multiaddr of a peer to join (none: start a DHT)")
-    parser.add_argument("--lie", choices=("none", "large", "subtle", "frame", "withhold", "tamper", "drop", "slow", "nan", "vanish"),
+    parser.add_argument("--lie", choices=("none", "large", "subtle", "frame", "withhold", "tamper", "drop", "slow", "nan", "vanish",
+                                 "leave"),
                         default="none",
                         help="this peer's reducer lies (large, subtle), its reports on the others' slices (frame), "
                              "it sends no verification message (withhold), or it alters the messages it relays "
                              "between client-mode members (tamper) or drops them (drop); an honest member whose "
                              "reports are ready late (slow: 1.5 verification timeouts late); a member whose part "
                              "is all NaN (nan: what the gradient averager's local guard never lets an honest peer "
-                             "send); a member that dies with its whole process group after the nonce phase (vanish)")
+                             "send); a member that dies with its whole process group after the nonce phase (vanish); a "
+                             "member that leaves each group at the start of its all-reduce, alive (leave)")
     parser.add_argument("--group-size", type=int, default=3, help="peers in the group")
+    parser.add_argument("--next-chunk-timeout", type=float, default=None,
+                        help="seconds a reducer waits for a sender's next part (none: hivemind's default, no limit)")
     parser.add_argument("--rounds", type=int, default=1, help="averaging rounds, one after the other")
     parser.add_argument("--no-verify", action="store_true", help="apply the reducers' results unchecked")
     parser.add_argument("--auxiliary", action="store_true",
@@ -218,6 +235,8 @@ def main() -> None:
         install_slow(1.5 * args.verification_timeout)
     elif args.lie == "vanish":
         install_vanish()
+    elif args.lie == "leave":
+        install_leave()
     elif args.lie not in ("none", "nan"):
         install_lie(args.lie)
     install_verification_timer()
@@ -237,7 +256,7 @@ def main() -> None:
         tensor.fill_(float("nan"))
     averager = Averager([tensor.clone()], dht=dht, prefix="lying_reducer_test",
                         target_group_size=args.group_size, min_group_size=args.group_size, min_matchmaking_time=3.0,
-                        request_timeout=1.0, compression=NoCompression(),
+                        request_timeout=2.0, compression=NoCompression(), next_chunk_timeout=args.next_chunk_timeout,
                         part_size_bytes=2 ** 14,  # 8 parts of 4096 values: each peer reduces some
                         aggregation="centered_clip", verify_reducers=not args.no_verify,
                         verification_timeout=args.verification_timeout, client_mode=args.client_mode,

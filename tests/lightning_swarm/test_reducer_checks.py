@@ -517,3 +517,23 @@ def test_withholding_strikes_keep_out_a_member_that_withholds_often_and_forgive_
     assert kept_out.index(True) == 8  # 1 + 8 * 0.25 = 3 strikes
     with pytest.raises(ValueError):
         rc.WithholdingRecord(strikes=0)
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "centered_clip"])
+def test_claims_stay_finite_and_consistent_beside_a_refused_nan_part(aggregation):
+    """A NaN sender's refused part left the honest reducer's claims non-finite: every member refused its report, and
+    the whole round (the honest slices too) went unverified (docs/notes/ci-failures.md, 2026-11-28)."""
+    received = honest_group(3, 64, seed=5)
+    received.append(torch.full((64,), float("nan")))
+    statement = []
+    result, refusals, _ = screen_and_aggregate(received, [1.0, 1.0, 1.0, 1.0], None, aggregation, None, 20, None,
+                                               None, statement=statement, own=0)
+    assert [refusal.sender for refusal in refusals] == [3] and result is not None
+    combination = statement[0]
+    assert combination.coefficients[3] == 0
+    claims = rc.reducer_claims(SEED, 0, [rc.ReducedPart(received, result, combination)], 3, 0)
+    from lightning_swarm.reducer_reports import decode_claims, encode_claims
+    decoded = decode_claims(encode_claims(claims, 1, 4), 1, 4)  # raised "claims with non-finite values" before
+    assert decoded is not None and decoded.distances[3, 0] == 0.0 and decoded.coefficients[3, 0] == 0.0
+    header = rc.parse_header(rc.encode_header(combination, 1))
+    assert rc._inconsistency([header], decoded, [1, 2, 3], True, rc.CHERNOFF_LIMIT) is None
