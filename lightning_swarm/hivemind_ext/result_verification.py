@@ -604,8 +604,8 @@ def _failed_members(runner, others: Sequence[PeerID]) -> List[str]:
     failed = {peers[index] for index in runner.tensor_part_container.failed_reducers}
     reducer = runner.tensor_part_reducer
     if reducer.num_parts > 0:
-        failed.update(peer for index, peer in enumerate(runner.sender_peer_ids)
-                      if index < len(reducer.num_parts_received) and reducer.num_parts_received[index] == 0)
+        failed.update(peer for peer, received in zip(runner.sender_peer_ids, reducer.num_parts_received)
+                      if received == 0)
     return sorted(str(peer) for peer in others if peer in failed)
 
 

@@ -171,7 +171,7 @@ class RobustTensorPartReducer(TensorPartReducer):
         self.alignment: Dict[int, List[Tuple[float, float]]] = defaultdict(list)  # sender -> (record, evidence)/part
         self._parts_sent = [0] * num_senders  # parts each sender sent with a weight (for the log)
         self.refusals: Dict[int, Dict[str, int]] = defaultdict(lambda: defaultdict(int))  # sender -> reason -> parts
-        self.protocol_breaks: Dict[int, str] = {}  # sender -> the first refusal no honest peer's part gets
+        self._protocol_breakers: Set[int] = set()  # senders reported to on_protocol_break (once each)
         self.parts_without_contribution = 0  # parts no sender entered with a positive weight (each keeps its own)
         self._parts: List[Optional[torch.Tensor]] = [None] * num_senders
         self._weights: List[float] = [0.0] * num_senders
@@ -247,12 +247,12 @@ class RobustTensorPartReducer(TensorPartReducer):
                 self.reduced[part_index] = reducer_checks.ReducedPart(list(parts), result, statement[0])
             for refusal in refusals:
                 self.refusals[refusal.sender][refusal.reason] += 1
-                if refusal.breaks_protocol and refusal.sender not in self.protocol_breaks:
-                    self.protocol_breaks[refusal.sender] = refusal.reason
-                    if self.on_protocol_break is not None:
-                        # now, not when the round ends: a part that waited for a late sender is aggregated after
-                        # this peer's round may have ended (measured: the NaN sender then stayed in its groups)
-                        self.on_protocol_break(refusal.sender, refusal.reason)
+                if (refusal.breaks_protocol and self.on_protocol_break is not None
+                        and refusal.sender not in self._protocol_breakers):
+                    self._protocol_breakers.add(refusal.sender)
+                    # now, not when the round ends: a part that waited for a late sender is aggregated after this
+                    # peer's round may have ended (measured: the NaN sender then stayed in its groups)
+                    self.on_protocol_break(refusal.sender, refusal.reason)
             if result is None:
                 self.parts_without_contribution += 1
             for sender, judged in factors.items():

@@ -177,8 +177,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, required=True, help="seed of this peer's tensor")
     parser.add_argument("--out", required=True, help="safetensors file for the averaged tensor")
     parser.add_argument("--initial-peer", default=None, help="multiaddr of a peer to join (none: start a DHT)")
-    parser.add_argument("--lie", choices=("none", "large", "subtle", "frame", "withhold", "tamper", "drop", "slow", "nan", "vanish",
-                                 "leave"),
+    parser.add_argument("--lie", choices=("none", "large", "subtle", "frame", "withhold", "tamper", "drop", "slow",
+                                          "nan", "vanish", "leave"),
                         default="none",
                         help="this peer's reducer lies (large, subtle), its reports on the others' slices (frame), "
                              "it sends no verification message (withhold), or it alters the messages it relays "

@@ -34,12 +34,12 @@ def _done_deadline(rounds: int) -> float:
 
 def run_round(tmp_path: Path, lie: str, verify: bool = True, clients: int = 0, auxiliary: bool = False,
               rounds: int = 1, roles: list[tuple[str, bool]] | None = None, verification_timeout: float = 10.0,
-              liar_dies: bool = False, next_chunk_timeout: float | None = None):
+              liar_unfinished: bool = False, next_chunk_timeout: float | None = None):
     """Start 2 honest peers and a liar (``clients``: how many of the second honest peer and the liar are in client
     mode; ``auxiliary``: the liar sends no part of its own), or the peers ``roles`` names ((lie, client mode) each;
     the first one is reachable and the liar is the last one named with a lie); return (honest peers' (input,
-    averaged), the liar's input, the liar's peer id, the honest peers' logs). ``liar_dies``: the liar prints no DONE
-    and saves nothing (its input is then None)."""
+    averaged), the liar's input, the liar's peer id, the honest peers' logs). ``liar_unfinished``: the liar (one that
+    dies, or one that never finishes its round) is not waited for and saves nothing (its input is then None)."""
     extra = [] if verify else ["--no-verify"]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     if roles is None:
@@ -65,7 +65,7 @@ def run_round(tmp_path: Path, lie: str, verify: bool = True, clients: int = 0, a
         peers += [start(index, maddr, role, client=client, auxiliary=auxiliary and index == liar)
                   for index, (role, client) in enumerate(roles) if index > 0]
         deadline = time.monotonic() + _done_deadline(rounds)
-        living = [peer for index, peer in enumerate(peers) if not (liar_dies and index == liar)]
+        living = [peer for index, peer in enumerate(peers) if not (liar_unfinished and index == liar)]
         for peer in living:  # each peer prints DONE after its rounds (a hung one dumps its stacks and exits)
             peer.wait_line("DONE", deadline - time.monotonic())
         for peer in living:
@@ -82,8 +82,8 @@ def run_round(tmp_path: Path, lie: str, verify: bool = True, clients: int = 0, a
     liar_id = next(line.split()[1] for line in logs[liar].splitlines() if line.startswith("PEER_ID"))
     honest = [index for index in range(len(roles)) if index != liar]
     results = {seed: load_file(str(tmp_path / f"{seed}.safetensors")) for seed in range(len(roles))
-               if not (liar_dies and seed == liar)}
-    return ([results[i] for i in honest], None if liar_dies else results[liar]["input"], liar_id,
+               if not (liar_unfinished and seed == liar)}
+    return ([results[i] for i in honest], None if liar_unfinished else results[liar]["input"], liar_id,
             [logs[i] for i in honest])
 
 
@@ -266,7 +266,7 @@ def test_a_relay_that_dies_during_the_check_costs_client_mode_members_at_most_th
     timeout = 6.0  # before the change a client-mode member took 3 timeouts (18 s), now at most 2 (12 s)
     honest, _, dead_id, logs = run_round(
         tmp_path, "vanish", roles=[("none", False), ("none", True), ("none", True), ("vanish", False)],
-        verification_timeout=timeout, liar_dies=True)
+        verification_timeout=timeout, liar_unfinished=True)
     for peer, log in zip(honest, logs):
         (seconds,) = [float(line.split()[1]) for line in log.splitlines() if line.startswith("VERIFIED")]
         assert seconds <= EXCHANGE_TIMEOUTS * timeout + 3.0, log[-3000:]
@@ -284,7 +284,7 @@ def test_a_member_that_leaves_the_group_at_the_all_reduce_costs_the_others_no_ve
     leaver that reduces a slice was already known as a failed reducer.)"""
     timeout = 6.0
     honest, _, leaver, logs = run_round(tmp_path, "leave", roles=[("none", False), ("none", False), ("leave", True)],
-                                        verification_timeout=timeout, liar_dies=True, next_chunk_timeout=3.0)
+                                        verification_timeout=timeout, liar_unfinished=True, next_chunk_timeout=3.0)
     for peer, log in zip(honest, logs):
         seconds = [float(line.split()[1]) for line in log.splitlines() if line.startswith("VERIFIED")]
         assert seconds and max(seconds) < timeout / 2, log[-3000:]
