@@ -41,8 +41,9 @@ from lightning_swarm.reducer_reports import (  # noqa: F401 (re-exported: the la
     CLIP_SLACK, FALSE_ALARM, HEADER_BYTES, HEADER_FIELDS, MAX_SENDERS, MODE_CLIPPED, MODE_KEEP, MODE_MEAN,
     PROJECTION_ROUNDING, PROJECTIONS, RESULT_ROUNDING, SUM_SLACK, Combination, MalformedReport, ReceivedPart,
     ReducedPart, ReducerClaims, ResultHeader, SliceReport, claims_length, decode_claims, decode_report, encode_claims,
-    encode_header, encode_report, header_digest, member_report, merge_claims, merge_reports, parse_header, part_seed,
-    project, project_many, reducer_claims, report_length, SignSource)
+    encode_header, encode_report, header_digest, massless_report, member_report, merge_claims, merge_reports,
+    parse_header, part_seed, project, project_many, reducer_claims, report_length, SignSource)
+
 
 def chernoff_limit(projections: int = PROJECTIONS, false_alarm: float = FALSE_ALARM) -> float:
     """``U`` such that ``P(sum_k t_k^2 > U B^2) <= false_alarm`` for ``projections`` independent projections
@@ -286,9 +287,19 @@ def _inconsistency(headers: Sequence[ResultHeader], claims: ReducerClaims, sende
     return None
 
 
+def _massless_row(stand_in: SliceReport, claims: ReducerClaims, sender: int, limit: float) -> Optional[str]:
+    """How the reducer's claims about a member give it more than a massless sender's row (``stand_in``:
+    :func:`massless_report`): a coefficient above 0, or residual projections other than its share of the virtual
+    part (None: they don't). Distances are not compared: a sender without mass reaches nothing."""
+    if np.any(claims.coefficients[sender] > 0):
+        return "the reducer's claims give it mass"
+    return _apart("a residual", stand_in.projections - claims.projections[sender],
+                  stand_in.error + float(claims.errors[sender]), limit)
+
+
 def judge_slice(headers: Sequence[ResultHeader], reports: Sequence[Optional[SliceReport]],
                 claims: Optional[ReducerClaims], senders: Sequence[int], me: int, reducer_sends: bool,
-                limit: float = CHERNOFF_LIMIT) -> Verdict:
+                limit: float = CHERNOFF_LIMIT, stand_ins: Optional[Sequence[Optional[SliceReport]]] = None) -> Verdict:
     """A checker's verdict on one reducer's slice, and whom it blames.
 
     The checks of the slice's arithmetic use only what the reducer said (its headers to the checker, its claims):
@@ -312,10 +323,25 @@ def judge_slice(headers: Sequence[ResultHeader], reports: Sequence[Optional[Slic
         me: the position of the checker's own report in ``reports``.
         reducer_sends: whether the reducer is itself a sender (else its own coefficient must be 0).
         limit: :func:`chernoff_limit`.
+        stand_ins: per position, None or a massless sender's report (:func:`massless_report`), used instead of that
+            member's report (ignored): for a member with no report on the slice (a NaN sender gets NaN results, so
+            its rows are empty), or whose part the checker's own reducer refused for breaking the protocol (kept
+            out already, it would lose nothing by framing a reducer: never a dispute). The slice passes only if the
+            reducer's claims give that member no mass (else unverifiable, nobody blamed: a sender may send other
+            reducers finite parts). Nothing hides in such a row: the result is then a combination of the reported
+            parts alone, which a reducer may always make by refusing a sender. A report required from every member
+            left a NaN sender's first round unverified for all (docs/security.md).
     """
     if claims is None:
         return Verdict("unverifiable: the reducer sent no claims on its slice")
-    if any(report is None for report in reports):
+    standing_in = {position for position, stand_in in enumerate(stand_ins or ()) if stand_in is not None
+                   and position != me}
+    for position in sorted(standing_in):
+        reason = _massless_row(stand_ins[position], claims, senders[position], limit)
+        if reason is not None:
+            return Verdict(f"unverifiable: a member without a report it can be held to is not massless in the "
+                           f"reducer's claims ({reason})")
+    if any(report is None for position, report in enumerate(reports) if position not in standing_in):
         return Verdict("unverifiable: a member has no complete report on this slice")
     digest = header_digest(headers)
     modes = [header.mode for header in headers]
@@ -329,7 +355,7 @@ def judge_slice(headers: Sequence[ResultHeader], reports: Sequence[Optional[Slic
         return Verdict(reason, BLAME_REDUCER)
     disputed, reasons = [], []
     for position, (report, sender) in enumerate(zip(reports, senders)):
-        if position == me:
+        if position == me or position in standing_in:
             continue
         reason = ("other headers than this member's" if report.digest != digest
                   else _contradiction(report, claims, sender, modes, limit))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -232,6 +232,16 @@ def member_report(seed: bytes, reducer: int, parts: Sequence[ReceivedPart], memb
         distances[index] = 0.0 if keep else delta_norm + part.delta_rounding
     return SliceReport(True, total, math.sqrt(error2), header_digest([part.header for part in parts]),
                        coefficients, distances, result, math.sqrt(result_error2))
+
+
+def massless_report(seed: bytes, reducer: int, parts: Sequence[ReceivedPart], members: int,
+                    projections: int = PROJECTIONS, first: int = 0, signs: Optional[SignSource] = None) -> SliceReport:
+    """The report a sender with no mass in any part of the slice (``b_j = 0``: its parts refused) makes on it, from
+    a checker's own ``parts``: its share of the virtual part alone, ``v`` as this checker got it. It stands in for
+    the report of a member that has none, or whose report the checker does not hold it to (see
+    :func:`lightning_swarm.reducer_checks.judge_slice`'s ``stand_ins``). Arguments as :func:`member_report`."""
+    massless = [replace(part, header=replace(part.header, coefficient=0.0)) for part in parts]
+    return member_report(seed, reducer, massless, members, projections, first, signs)
 
 
 @dataclass

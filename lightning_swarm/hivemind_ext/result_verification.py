@@ -19,7 +19,8 @@ The arithmetic is :mod:`lightning_swarm.reducer_checks`; this is the plumbing ar
 - **each sender checks** every other reducer's slice (:func:`lightning_swarm.reducer_checks.judge_slice`). A slice
   that fails is not applied (the local values stay, as when a reducer fails) and named in one log line. Where the
   reducer alone is to blame it is kept out of this peer's later groups (:meth:`ReportMailbox.exclude_peer`: a leader
-  refuses its join requests, a member leaves a group that holds it); where a member's report contradicts the
+  refuses its join requests, leader search skips it, and in a group another member let it in, its parts
+  get weight 0 here and its slice is not applied); where a member's report contradicts the
   reducer's claim about it (a dispute: one of the two lies), both are kept out, each logged naming the other. A
   slice that can't be checked (a report or the claims missing or malformed) is not applied either, and nobody is
   blamed for it in that round; a member that withholds its messages (a commitment, a valid nonce, a well-formed
@@ -522,6 +523,17 @@ class ReportMailbox:
             except rc.MalformedReport as e:
                 decoded.pop(peer, None)
                 log.warning(f"[lightning_swarm] averaging: refused the verification report of {peer}: {e}")
+        # A massless sender's report (its share of the virtual part alone, from this peer's own parts) stands in for
+        # a member's report where it has none (a NaN sender gets NaN results: its rows are empty) or where this
+        # peer's reducer saw it break the protocol (its report is ignored: it is kept out, so framing a reducer
+        # would cost it nothing); the slice then passes only if the reducer's claims give that member no mass
+        # (judge_slice). A report required from every member left a NaN sender's first round unverified for all.
+        breakers = {senders[s] for s in runner.tensor_part_reducer.protocol_breakers} - {runner.peer_id}
+        needs_stand_ins = [r for r in reducers if any(
+            peer in breakers or decoded.get(peer, [None] * len(peers))[r] is None
+            for peer in senders if peer not in (peers[r], runner.peer_id))]
+        massless = {} if not needs_stand_ins else await asyncio.get_running_loop().run_in_executor(
+            None, _massless_reports, runner, seed, needs_stand_ins, senders)
         for peer in others:
             if peer in decoded:
                 self._withholding.verified(peer)
@@ -537,9 +549,11 @@ class ReportMailbox:
                 verdict = rc.Verdict("unverifiable: its results came without a well-formed header or did not all "
                                      "arrive")
             else:
+                stand_ins = [massless.get(r) if peer != runner.peer_id and (peer in breakers or report is None)
+                             else None for peer, report in zip(reporters, slice_reports)]
                 verdict = rc.judge_slice(headers, slice_reports, claims.get(reducer),
                                          [senders.index(peer) for peer in reporters], reporters.index(runner.peer_id),
-                                         reducer_sends=reducer in senders)
+                                         reducer_sends=reducer in senders, stand_ins=stand_ins)
             if verdict.reason is None:
                 continue
             refused.add(r)
@@ -586,6 +600,25 @@ def _member_reports(runner, seed: bytes, reducers: Sequence[int], senders: Seque
                                             first=index, signs=signs))
     merged = {r: rc.merge_reports(reports[r], [part.header for part in received[r]]) for r in received}
     return merged, (rc.merge_claims(claims, claimed) if claimed else None)
+
+
+def _massless_reports(runner, seed: bytes, reducers: Sequence[int], senders: Sequence[PeerID]
+                      ) -> Dict[int, rc.SliceReport]:
+    """A massless sender's report on each of ``reducers``' slices
+    (:func:`lightning_swarm.reducer_checks.massless_report`), from this member's own parts, part by part as
+    :func:`_member_reports`; slices it can't report on are left out."""
+    peers = list(runner.ordered_peer_ids)
+    signs = rc.SignSource()
+    reports = {}
+    for r in reducers:
+        parts = runner.tensor_part_container.received_parts(r)
+        if parts is None:
+            continue
+        members = len([peer for peer in senders if peer != peers[r]])
+        reports[r] = rc.merge_reports([rc.massless_report(seed, r, parts[index:index + 1], members, first=index,
+                                                          signs=signs) for index in range(len(parts))],
+                                      [part.header for part in parts])
+    return reports
 
 
 def _message_cap(report_values: int) -> int:

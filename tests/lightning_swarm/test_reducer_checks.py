@@ -537,3 +537,73 @@ def test_claims_stay_finite_and_consistent_beside_a_refused_nan_part(aggregation
     assert decoded is not None and decoded.distances[3, 0] == 0.0 and decoded.coefficients[3, 0] == 0.0
     header = rc.parse_header(rc.encode_header(combination, 1))
     assert rc._inconsistency([header], decoded, [1, 2, 3], True, rc.CHERNOFF_LIMIT) is None
+
+
+@pytest.mark.parametrize("codec", ["none", "8bit"])
+@pytest.mark.parametrize("aggregation", ["mean", "centered_clip"])
+def test_a_massless_stand_in_verifies_a_slice_beside_a_nan_member_and_hides_no_lie(aggregation, codec):
+    """A NaN sender's own report is refused, and a report required from every member left its first round unverified
+    for everyone (each member kept its local gradient outside its own slice: docs/security.md). A checker whose own
+    reducer refused that sender's part uses a massless sender's report instead of its: the honest slice passes,
+    whatever that sender reports (no dispute to frame with), and a reducer that hides a lie in that sender's row, or
+    gives it mass, does not pass."""
+    size, reducer, nan_member, members = 256, 0, 3, [1, 2, 3]
+    parts = honest_group(3, size, seed=11) + [torch.full((size,), float("nan"))]
+    sent = [codec_roundtrip(p, codec) for p in parts[:3]] + [(parts[3], 0.0)]
+    received = [decoded for decoded, _ in sent]
+    statement = []
+    result, refusals, _ = screen_and_aggregate(received, [1.0] * 4, None, aggregation, None, 20, None, None,
+                                               statement=statement, own=reducer)
+    assert [refusal.sender for refusal in refusals] == [nan_member] and refusals[0].breaks_protocol
+    combination = statement[0]
+
+    def received_part(j, v):
+        delta, delta_q = codec_roundtrip(v - sent[j][0], codec)
+        return rc.ReceivedPart(parts[j], delta, rc.parse_header(rc.encode_header(combination, j)), delta_q, sent[j][1])
+
+    def verdicts(v, claims, nan_report=None, stand_in=True):
+        """Each honest member's verdict, given the result v the reducer sent everyone."""
+        honest_reports = {j: rc.member_report(SEED, reducer, [received_part(j, v)], 3) for j in (1, 2)}
+        out = []
+        for position, j in enumerate((1, 2)):
+            stand_ins = [None, None, rc.massless_report(SEED, reducer, [received_part(j, v)], 3)] if stand_in else None
+            out.append(rc.judge_slice([received_part(j, v).header], [honest_reports[1], honest_reports[2], nan_report],
+                                      claims, members, position, reducer_sends=True, stand_ins=stand_ins))
+        return out
+
+    def claims_on(v):
+        return rc.reducer_claims(SEED, reducer, [rc.ReducedPart(received, v, combination)], 3, reducer)
+
+    honest = claims_on(result)
+    assert [v.reason for v in verdicts(result, honest, stand_in=False)] == [
+        "unverifiable: a member has no complete report on this slice"] * 2  # as before
+    assert [v.reason for v in verdicts(result, honest)] == [None, None]
+    # the NaN sender's report, finite and false (it is kept out already: framing would cost it nothing), is ignored
+    frame = rc.member_report(SEED, reducer, [received_part(1, result)], 3)
+    frame = rc.SliceReport(True, frame.projections + 50.0, frame.error, frame.digest, frame.coefficients,
+                           frame.distances, frame.result, frame.result_error)
+    assert [v.reason for v in verdicts(result, honest, nan_report=frame)] == [None, None]
+
+    lie = 5.0 * float(result.norm()) / math.sqrt(size) * torch.randn(size, generator=torch.Generator().manual_seed(3))
+    lied = result + lie
+    # a lie hidden in the NaN sender's row: claims computed from the result sent, that row moved so that the claims sum
+    # to minus the reducer's own stated residual
+    claims = claims_on(lied)
+    target = rc.project([(received[reducer] - lied, combination.own)], rc.part_seed(SEED, 0))
+    projections = claims.projections.copy()
+    projections[nan_member] -= target + projections.sum(axis=0)
+    fitted = rc.ReducerClaims(claims.digest, projections, claims.errors, claims.coefficients, claims.distances,
+                              claims.result, claims.result_error)
+    for verdict in verdicts(lied, fitted):
+        assert verdict.reason is not None and verdict.reason.startswith("unverifiable: a member without a report")
+    # the lie with that row left massless: the claims don't add up to the reducer's header
+    for verdict in verdicts(lied, claims):
+        assert verdict.reason is not None and verdict.blame == rc.BLAME_REDUCER
+    # mass given to the NaN sender in the claims
+    coefficients = honest.coefficients.copy()
+    coefficients[nan_member] = 0.1
+    massive = rc.ReducerClaims(honest.digest, honest.projections, honest.errors, coefficients, honest.distances,
+                               honest.result, honest.result_error)
+    for verdict in verdicts(result, massive):
+        assert verdict.reason == ("unverifiable: a member without a report it can be held to is not massless in the "
+                                  "reducer's claims (the reducer's claims give it mass)")
