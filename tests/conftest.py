@@ -45,3 +45,22 @@ def _hivemind_result_locks_free():
         replace_result_locks()
         pytest.fail(f"this test left hivemind's {held} held (a child killed while holding it): later tests that start "
                     "hivemind processes would hang")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_exclusion_files_left():
+    """Each peer keeps the peers it keeps out of its groups in a file named for its peer id under the temporary folder
+    (``ReportMailbox.exclude_peer``: its averagers share it, and a later run under the same identity keeps them out
+    too). Test peers have fresh identities: the files they wrote are removed after the session (467 were left behind
+    by a few runs of the suite)."""
+    import tempfile
+
+    folder = os.path.join(tempfile.gettempdir(), "lightning_swarm_exclusions")
+    before = set(os.listdir(folder)) if os.path.isdir(folder) else set()
+    yield
+    if os.path.isdir(folder):
+        for name in set(os.listdir(folder)) - before:
+            try:
+                os.remove(os.path.join(folder, name))
+            except OSError:
+                pass

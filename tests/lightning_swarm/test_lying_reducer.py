@@ -256,7 +256,7 @@ def test_a_member_that_sends_a_nan_part_is_kept_out_after_its_first_round(tmp_pa
         # the honest reducers' slices were checked and applied: a massless stand-in replaced the NaN member's empty
         # report (before, "a member has no complete report on this slice" refused every slice but one's own)
         assert "no complete report" not in log, log[-3000:]
-        assert f"refused the slice reduced by" not in log.replace(f"refused the slice reduced by {nan_id}", ""), \
+        assert "refused the slice reduced by" not in log.replace(f"refused the slice reduced by {nan_id}", ""), \
             log[-3000:]
 
 
