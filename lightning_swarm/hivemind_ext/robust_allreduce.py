@@ -450,8 +450,8 @@ class RobustAveraging(ReportMailbox):
                              (float("inf") if weight_bounds is None else weight_bounds.get(peer, 0.0))
                              for index, peer in enumerate(group_info.peer_ids)}
             log.warning(f"[lightning_swarm] averaging: in a group with peer(s) kept out of this peer's groups "
-                     f"{[str(group_info.peer_ids[index]) for index in sorted(kept_out)]}: their parts get weight 0 "
-                     f"and their slices are not applied here")
+                        f"{[str(group_info.peer_ids[index]) for index in sorted(kept_out)]}: their parts get weight 0 "
+                        f"and their slices are not applied here")
         if self.verify_reducers:
             self.open_mailbox(group_id, group_info.peer_ids)
         runner = RobustAllReduceRunner(
