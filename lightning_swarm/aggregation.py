@@ -106,8 +106,7 @@ def screen_contributions(
         if max_weights is not None:
             bound = float(max_weights[sender])
             if not bound > 0:
-                refusals.append(Refusal(sender, f"weight {weight:g} from a sender with no samples on record or kept "
-                                                f"out of this peer's groups"))
+                refusals.append(Refusal(sender, f"weight {weight:g} from a sender with no samples on record"))
                 continue
             if weight > bound:
                 refusals.append(Refusal(sender, f"weight {weight:g} lowered to {bound:g}, the samples on record"))

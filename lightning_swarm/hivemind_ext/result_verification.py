@@ -19,9 +19,8 @@ The arithmetic is :mod:`lightning_swarm.reducer_checks`; this is the plumbing ar
 - **each sender checks** every other reducer's slice (:func:`lightning_swarm.reducer_checks.judge_slice`). A slice
   that fails is not applied (the local values stay, as when a reducer fails) and named in one log line. Where the
   reducer alone is to blame it is kept out of this peer's later groups (:meth:`ReportMailbox.exclude_peer`: a leader
-  refuses its join requests, leader search skips it, and in a group another member let it in, its parts get weight
-  0 here and its slice is not applied); where a member's report contradicts the reducer's claim about it (a
-  dispute: one of the two lies), both are kept out, each logged naming the other. A
+  refuses its join requests, a member leaves a group that holds it); where a member's report contradicts the
+  reducer's claim about it (a dispute: one of the two lies), both are kept out, each logged naming the other. A
   slice that can't be checked (a report or the claims missing or malformed) is not applied either, and nobody is
   blamed for it in that round; a member that withholds its messages (a commitment, a valid nonce, a well-formed
   report) in rounds it otherwise completed is kept out after a few such rounds

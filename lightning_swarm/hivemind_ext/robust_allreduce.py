@@ -36,6 +36,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartContainer, TensorPartReducer
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
@@ -437,28 +438,17 @@ class RobustAveraging(ReportMailbox):
                                       group_id: Optional[bytes] = None, **kwargs):
         # hivemind 1.1.12's DecentralizedAverager._run_allreduce_inplace_, with RobustAllReduceRunner
         group_id = group_info.group_id if group_id is None else group_id
-        # A member this peer keeps out (another member led the group and let it in) stays in the round for the
-        # others, but not for this peer: its parts get weight 0 here and its reduced slice is not applied. This peer
-        # used to leave such a group: where another member had not caught that peer (a client-mode member, which
-        # reduces nothing, never sees a NaN part), every round failed for all after next_chunk_timeout, epoch after
-        # epoch (the Byzantine swarm's nan case: 9 failed rounds in one run, the honest loss x1.15 the clean one).
-        excluded = self.excluded_peers
-        kept_out = {index for index, peer in enumerate(group_info.peer_ids) if peer in excluded}
-        weight_bounds = await self.sender_weight_bounds(group_info)
-        if kept_out:
-            weight_bounds = {peer: 0.0 if index in kept_out else
-                             (float("inf") if weight_bounds is None else weight_bounds.get(peer, 0.0))
-                             for index, peer in enumerate(group_info.peer_ids)}
-            log.warning(f"[lightning_swarm] averaging: in a group with peer(s) kept out of this peer's groups "
-                        f"{[str(group_info.peer_ids[index]) for index in sorted(kept_out)]}: their parts get weight 0 "
-                        f"and their slices are not applied here")
+        excluded = [str(peer) for peer in group_info.peer_ids if peer in self.excluded_peers]
+        if excluded:
+            raise MatchmakingException(f"[lightning_swarm] left a group with peer(s) kept out of this peer's groups "
+                                       f"(their reduced slices failed the check before): {excluded}")
         if self.verify_reducers:
             self.open_mailbox(group_id, group_info.peer_ids)
         runner = RobustAllReduceRunner(
             p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
             ordered_peer_ids=group_info.peer_ids, aggregation=self.aggregation,
             centered_clip_tau=self.centered_clip_tau, centered_clip_iters=self.centered_clip_iters,
-            max_weight_by_peer=weight_bounds, min_alignment=self.min_alignment,
+            max_weight_by_peer=await self.sender_weight_bounds(group_info), min_alignment=self.min_alignment,
             sender_trust=self.sender_trust, verify=self.verify_reducers,
             on_protocol_break=self._keep_out_protocol_breaker if getattr(self, "honest_parts_are_finite", False)
             else None, **kwargs,
@@ -472,15 +462,15 @@ class RobustAveraging(ReportMailbox):
                 if self.verify_reducers:  # an aux peer reduces: it sends its claims on its slice
                     await self.verify_results(runner, group_id)
                 return
-            if not self.verify_reducers and not kept_out:
+            if not self.verify_reducers:
                 async for tensor, update in azip(as_aiter(*tensors), runner):
                     tensor.add_(update, alpha=self._averaging_alpha)
                     self.last_updated = get_dht_time()
                     self._state_updated.set()
                 return
             updates = [update async for update in runner]  # applied once every other reducer's slice is checked
-            refused = await self.verify_results(runner, group_id) if self.verify_reducers else set()
-            zero_slices(updates, runner.tensor_part_container, refused | kept_out)
+            refused = await self.verify_results(runner, group_id)
+            zero_slices(updates, runner.tensor_part_container, refused)
             for tensor, update in zip(tensors, updates):
                 tensor.add_(update, alpha=self._averaging_alpha)
             self.last_updated = get_dht_time()

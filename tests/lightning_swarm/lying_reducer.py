@@ -23,7 +23,6 @@ import functools
 import logging
 import os
 import sys
-import time
 
 import torch
 from safetensors.torch import save_file
@@ -114,6 +113,7 @@ def install_tamper(drop: bool = False) -> None:
 def install_slow(seconds: float) -> None:
     """Make this process a slow member: its verification reports are ready ``seconds`` later than the others' (as
     on a peer whose cores are busy), so its messages of that phase reach the others late."""
+    import time
 
     from lightning_swarm.hivemind_ext import result_verification
 
@@ -156,6 +156,7 @@ def install_leave() -> None:
 def install_verification_timer() -> None:
     """Print how long each of this peer's verification exchanges took ("VERIFIED <seconds>"), from its averager's
     process."""
+    import time
 
     from lightning_swarm.hivemind_ext.result_verification import ReportMailbox
 
@@ -195,12 +196,6 @@ def main() -> None:
                         help="an auxiliary peer: it reduces a slice but sends no part of its own")
     parser.add_argument("--client-mode", action="store_true",
                         help="accept no connection (as a peer behind NAT): it sends and checks, but reduces nothing")
-    parser.add_argument("--identity", default=None,
-                        help="this peer's identity file, written beforehand (none: a new one next to --out)")
-    parser.add_argument("--keep-out", default=None,
-                        help="a peer id this peer keeps out of its groups from the start (as if it had caught it)")
-    parser.add_argument("--step-delay", type=float, default=0.0,
-                        help="seconds to wait before looking for a group (a peer that looks first leads it)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to find a group")
     parser.add_argument("--verification-timeout", type=float, default=10.0,
                         help="seconds a member waits for the others' verification messages of one phase")
@@ -247,11 +242,10 @@ def main() -> None:
     install_verification_timer()
     # an identity whose key this peer holds, as the strategy's peers have: client-mode members sign the messages
     # that reachable members relay between them with it
-    identity = args.identity or args.out + ".identity"
-    if args.identity is None:
-        if os.path.exists(identity):
-            os.remove(identity)
-        write_identity(identity)
+    identity = args.out + ".identity"
+    if os.path.exists(identity):
+        os.remove(identity)
+    write_identity(identity)
     dht = SwarmDHT(initial_peers=[args.initial_peer] if args.initial_peer else None,
                    host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=args.client_mode, identity_path=identity,
                    check_if_identity_free=False, start=True)
@@ -268,11 +262,6 @@ def main() -> None:
                         verification_timeout=args.verification_timeout, client_mode=args.client_mode,
                         auxiliary=args.auxiliary, start=True)
     print("PEER_ID", dht.peer_id, flush=True)
-    if args.keep_out:
-        from hivemind.p2p import PeerID
-
-        averager.exclude_peer(PeerID.from_base58(args.keep_out), "named by the test (--keep-out)")
-    time.sleep(args.step_delay)
     for round_number in range(args.rounds):
         averager.step(timeout=args.timeout)
         print("ROUND", round_number, flush=True)
