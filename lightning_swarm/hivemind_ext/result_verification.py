@@ -548,8 +548,8 @@ class ReportMailbox:
                 verdict = rc.Verdict("unverifiable: its results came without a well-formed header or did not all "
                                      "arrive")
             else:
-                stand_ins = [massless.get(r) if peer != runner.peer_id and (peer in breakers or report is None)
-                             else None for peer, report in zip(reporters, slice_reports)]
+                stand_ins = [massless.get(r) if peer in breakers or report is None else None
+                             for peer, report in zip(reporters, slice_reports)]
                 verdict = rc.judge_slice(headers, slice_reports, claims.get(reducer),
                                          [senders.index(peer) for peer in reporters], reporters.index(runner.peer_id),
                                          reducer_sends=reducer in senders, stand_ins=stand_ins)
@@ -604,20 +604,21 @@ def _member_reports(runner, seed: bytes, reducers: Sequence[int], senders: Seque
 def _massless_reports(runner, seed: bytes, reducers: Sequence[int], senders: Sequence[PeerID]
                       ) -> Dict[int, rc.SliceReport]:
     """A massless sender's report on each of ``reducers``' slices
-    (:func:`lightning_swarm.reducer_checks.massless_report`), from this member's own parts, part by part as
-    :func:`_member_reports`; slices it can't report on are left out."""
+    (:func:`lightning_swarm.reducer_checks.massless_report`), from this member's own parts; slices it can't report on
+    are left out. Part index by part index, as :func:`_member_reports`: each index's sign vectors are generated once
+    for all the slices."""
     peers = list(runner.ordered_peer_ids)
+    received = {r: runner.tensor_part_container.received_parts(r) for r in reducers}
+    received = {r: parts for r, parts in received.items() if parts is not None}
+    members = {r: len([peer for peer in senders if peer != peers[r]]) for r in received}
     signs = rc.SignSource()
-    reports = {}
-    for r in reducers:
-        parts = runner.tensor_part_container.received_parts(r)
-        if parts is None:
-            continue
-        members = len([peer for peer in senders if peer != peers[r]])
-        reports[r] = rc.merge_reports([rc.massless_report(seed, r, parts[index:index + 1], members, first=index,
-                                                          signs=signs) for index in range(len(parts))],
-                                      [part.header for part in parts])
-    return reports
+    reports: Dict[int, List[rc.SliceReport]] = {r: [] for r in received}
+    for index in range(max((len(parts) for parts in received.values()), default=0)):
+        for r, parts in received.items():
+            if index < len(parts):
+                reports[r].append(rc.massless_report(seed, r, parts[index:index + 1], members[r], first=index,
+                                                     signs=signs))
+    return {r: rc.merge_reports(reports[r], [part.header for part in received[r]]) for r in received}
 
 
 def _message_cap(report_values: int) -> int:
