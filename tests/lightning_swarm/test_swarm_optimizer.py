@@ -35,7 +35,7 @@ def _search(dht: hivemind.DHT, poll_interval: float, seconds: float, declare_oth
 
     If `declare_other_after` is set, another peer declares itself as an averager that many seconds into the search;
     with `keep_other_out`, the searcher keeps that peer out of its groups.
-    Returns (leader found or None, seconds from that declaration to finding it, number of DHT polls).
+    Returns (leader found or None, seconds from sending that declaration to finding it, number of DHT polls).
     """
     other = SwarmDHT(start=True, host_maddrs=LOCAL, initial_peers=dht.get_visible_maddrs())
 
@@ -52,18 +52,21 @@ def _search(dht: hivemind.DHT, poll_interval: float, seconds: float, declare_oth
             nonlocal declared_at
             await asyncio.sleep(declare_other_after)
             other_keys = GroupKeyManager(other, "mm", initial_group_bits="", target_group_size=None)
-            await other_keys.declare_averager(other_keys.current_key, other.peer_id, get_dht_time() + 30, True)
+            # the clock starts when the declaration is sent: the searcher may read it from the DHT before the store
+            # call returns to the declaring peer (a CI run found the leader first and had no delay to compare)
             declared_at = time.monotonic()
+            await other_keys.declare_averager(other_keys.current_key, other.peer_id, get_dht_time() + 30, True)
 
-        if declare_other_after is not None:
-            asyncio.create_task(declare_other())
+        declaring = asyncio.create_task(declare_other()) if declare_other_after is not None else None
         found = None
         async with leaders.begin_search(step, key_manager, declare=False):
             try:
                 found = await asyncio.wait_for(leaders.pop_next_leader(), timeout=seconds)
             except asyncio.TimeoutError:
                 pass
-        delay = time.monotonic() - declared_at if found is not None and declared_at is not None else None
+        delay = time.monotonic() - declared_at if found is not None else None
+        if declaring is not None:
+            await asyncio.wait_for(declaring, timeout=10)  # finished before `other` shuts down, never left pending
         return found, delay, leaders.num_polls
 
     try:
