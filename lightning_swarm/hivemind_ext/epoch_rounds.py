@@ -193,24 +193,36 @@ class LateRounds:
         grace: seconds the swarm must have been past the round's epoch (a groupmate still looking for the same
             epoch finds this round within one matchmaking window: the optimizer's ``matchmaking_time``).
         poll_interval: seconds between two checks of the watched rounds (a thread does them; see :meth:`start`).
+
+    A round watched with a ``search_limit`` (:meth:`watch`) is also given up once it has looked for a group that long
+    after its trigger, whatever the swarm's epoch: the optimizer gives one to state rounds. A peer's state round comes
+    right after its global step, and so does its groupmates' of the same epoch: one that found nobody within a few
+    matchmaking windows waits for a peer that is busy elsewhere, often in a gradient round that waits for this peer
+    in turn (test_byzantine_swarm.py's nan case: two honest peers one round out of step stalled each other 12-15 s
+    per epoch, until averaging_timeout, over several epochs).
     """
 
     def __init__(self, swarm_epoch: Callable[[], int], grace: float, poll_interval: float = 0.5):
         if grace < 0 or poll_interval <= 0:
             raise ValueError(f"grace must be >= 0 and poll_interval > 0 seconds, got {grace!r}, {poll_interval!r}")
         self.swarm_epoch, self.grace, self.poll_interval = swarm_epoch, grace, poll_interval
-        self._rounds: List[list] = []  # [control, epoch, averager's class name, since when the swarm is past it]
+        # [control, epoch, averager's class name, since when the swarm is past it, search limit, since when looking]
+        self._rounds: List[list] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.given_up = 0  # rounds given up so far (for tests and diagnostics)
 
-    def watch(self, control: StepControl, epoch: Optional[int], averager: object = None) -> None:
+    def watch(self, control: StepControl, epoch: Optional[int], averager: object = None,
+              search_limit: Optional[float] = None) -> None:
         """Watch a round of ``epoch`` (a round of unknown epoch is left alone; a ``round_epoch`` on the control,
-        which :meth:`RoundEpochSender.move_round` changes, takes over from ``epoch``)."""
+        which :meth:`RoundEpochSender.move_round` changes, takes over from ``epoch``). ``search_limit``: seconds
+        after which a triggered round still looking for a group is given up (None: only when late)."""
+        if search_limit is not None and search_limit <= 0:
+            raise ValueError(f"search_limit must be > 0 seconds or None, got {search_limit!r}")
         if epoch is not None:
             with self._lock:
-                self._rounds.append([control, int(epoch), type(averager).__name__, None])
+                self._rounds.append([control, int(epoch), type(averager).__name__, None, search_limit, None])
 
     def check(self) -> int:
         """Give up the late rounds now; return how many were given up."""
@@ -222,28 +234,37 @@ class LateRounds:
                        and entry[0].triggered]  # (looking for a group: its trigger is attached)
             for entry in self._rounds:
                 if entry not in looking:
-                    entry[3] = None
+                    entry[3] = entry[5] = None
         if not looking:
             return 0
         swarm_epoch, now, late = self.swarm_epoch(), time.monotonic(), []  # (may read the DHT: only when needed)
         with self._lock:
             for entry in looking:
-                control, since = entry[0], entry[3]
+                control, since, limit = entry[0], entry[3], entry[4]
                 if getattr(control, "round_epoch", None) is not None:  # (moved: see RoundEpochSender.move_round)
                     entry[1] = control.round_epoch
                 epoch = entry[1]
-                if swarm_epoch <= epoch or entry not in self._rounds:
+                if entry[5] is None:
+                    entry[5] = now
+                if limit is not None and now - entry[5] >= limit and entry in self._rounds:
+                    self._rounds.remove(entry)
+                    late.append(entry)
+                elif swarm_epoch <= epoch or entry not in self._rounds:
                     entry[3] = None
                 elif since is None:
                     entry[3] = now
                 elif now - since >= self.grace:
                     self._rounds.remove(entry)
                     late.append(entry)
-        for control, epoch, averager, since in late:
+        for control, epoch, averager, since, limit, looking_since in late:
             if control.cancel():
                 self.given_up += 1
-                log.info(f"Gave up the {averager} round of epoch {epoch}: it found no group, and the swarm went past "
-                         f"that epoch {now - since:.1f} s ago (it is at epoch {swarm_epoch})")
+                if since is not None and now - since >= self.grace:
+                    log.info(f"Gave up the {averager} round of epoch {epoch}: it found no group, and the swarm went "
+                             f"past that epoch {now - since:.1f} s ago (it is at epoch {swarm_epoch})")
+                else:
+                    log.info(f"Gave up the {averager} round of epoch {epoch}: it found no group in "
+                             f"{now - looking_since:.1f} s (its search limit: {limit:g} s)")
         return len(late)
 
     def start(self) -> "LateRounds":

@@ -69,6 +69,8 @@ log = logging.getLogger(__name__)
 # per epoch 4 peers were 1.43x synchronous (reducer check off), but 16 simulated peers with half in client mode and
 # churn reached 0.07 of ideal against 0.45 synchronous: most overlapped rounds found no group (docs/swarm-at-scale.md)
 DEFAULT_OVERLAP_MAX_PEERS = 2
+# a triggered state round still looking for a group after this many matchmaking windows is given up (LateRounds)
+STATE_SEARCH_WINDOWS = 2
 OVERLAP_OPTIONS = ("delay_optimizer_step", "delay_grad_averaging", "delay_state_averaging")
 
 
@@ -191,6 +193,9 @@ class SwarmOptimizer(CatchUpAfterDownload, hivemind.Optimizer):
         for averager in (self.grad_averager, self.state_averager):
             if isinstance(averager, RoundEpochSender):
                 averager.on_round = self.late_rounds.watch
+        if isinstance(self.state_averager, RoundEpochSender):  # a state round that finds nobody soon is given up
+            self.state_averager.on_round = functools.partial(
+                self.late_rounds.watch, search_limit=STATE_SEARCH_WINDOWS * self.matchmaking_time)
         self.requested_overlap = {name: getattr(self, name) for name in OVERLAP_OPTIONS}  # as configured
         self.download_abandoned: Optional[str] = None  # why a state download was abandoned (see stop_waiting)
         self.overlapping = True  # whether the requested overlap options are in force

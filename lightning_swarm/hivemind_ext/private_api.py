@@ -226,7 +226,8 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
     ])
     + _symbols("hivemind.averaging.averager", "robust_allreduce", [
         ("DecentralizedAverager._p2p", "passed to the all-reduce runner, as hivemind does"),
-        ("DecentralizedAverager._running_groups", "where the runner is registered, as hivemind does"),
+        ("DecentralizedAverager._running_groups", "where the runner is registered, as hivemind does (failed at once "
+                                                  "when this peer leaves the group)"),
         ("DecentralizedAverager._averaging_alpha", "applied to each averaged update, as hivemind does"),
         ("DecentralizedAverager._state_updated", "set after each update, as hivemind does"),
     ], instance=True)

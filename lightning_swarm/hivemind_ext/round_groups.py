@@ -12,7 +12,7 @@ part is refused at once with ``BAD_GROUP_ID``. The sender then drops us from its
 
 :class:`PatientGroupRegistration` lets such a part wait until its group is registered, at most the round's sender
 timeout (a sender later than that is dropped from the round anyway). Parts for a round this averager already
-finished are refused at once, as before.
+finished (or left) are refused at once, also while its next round looks for a group (where hivemind's handler waits).
 """
 
 from __future__ import annotations
@@ -75,6 +75,12 @@ class PatientGroupRegistration:
                 await asyncio.sleep(REGISTRATION_POLL_SECONDS)
             if group_id not in self._running_groups:
                 log.debug(f"{self.prefix}: a part from {context.remote_id} for a group that is not running is refused")
+        if group_id not in self._running_groups and group_id in self._finished_group_ids():
+            # refused now: hivemind's handler would wait for this averager's next group to be registered (its
+            # matchmaking clears the event it waits on), and the sender waited next_chunk_timeout for this peer's
+            # results: 10 s of a 1.3 s epoch where this peer had left the round (test_byzantine_swarm.py's nan case)
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
         # hivemind's handler, given the part it would have read itself
         async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message

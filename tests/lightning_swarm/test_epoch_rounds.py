@@ -176,6 +176,7 @@ def test_late_rounds_leaves_rounds_that_found_a_group_or_wait_for_their_trigger(
     with pytest.raises(ValueError, match="grace"):
         LateRounds(lambda: 0, grace=-1.0)
     late = LateRounds(lambda: 10, grace=0.0)
+    MPFuture()  # first: a StepControl made first sets hivemind 1.1.12's backend up on its own class, not MPFuture's
     untriggered = StepControl(scheduled_time=0.0, deadline=1e12, allow_retries=True, weight=1.0, data_for_gather=b"")
     untriggered.attach(MPFuture(), MPFuture())
     untriggered.stage = AveragingStage.LOOKING_FOR_GROUP
@@ -195,3 +196,40 @@ def test_late_rounds_leaves_rounds_that_found_a_group_or_wait_for_their_trigger(
     late.watch(grouped, 3)
     assert late.check() == 0 and late.check() == 0 and not grouped.cancelled()
     grouped.cancel()
+
+
+def test_a_round_with_a_search_limit_is_given_up_after_it_whatever_the_swarm_epoch():
+    """The optimizer gives state rounds a search limit: a triggered round still looking for a group that long after
+    its trigger is given up even though the swarm is still at its epoch (its groupmates are busy elsewhere, e.g. in
+    a gradient round that waits for this peer); the clock restarts when the round stops looking, a round without a
+    limit is left alone, and a limit <= 0 is refused."""
+    from hivemind.averaging.control import AveragingStage, StepControl
+    from hivemind.utils.mpfuture import MPFuture
+
+    from lightning_swarm.hivemind_ext.epoch_rounds import LateRounds
+
+    def looking_round():
+        MPFuture()  # first: a StepControl made first sets hivemind 1.1.12's backend up on its own class, not MPFuture's
+        control = StepControl(scheduled_time=0.0, deadline=1e12, allow_retries=True, weight=1.0, data_for_gather=b"")
+        control.attach(MPFuture(), MPFuture())
+        control.stage = AveragingStage.LOOKING_FOR_GROUP
+        control.allow_allreduce()
+        return control
+
+    late = LateRounds(lambda: 5, grace=0.0)
+    with pytest.raises(ValueError, match="search_limit"):
+        late.watch(looking_round(), 5, search_limit=0.0)
+    limited, unlimited = looking_round(), looking_round()
+    late.watch(limited, 5, search_limit=0.3)
+    late.watch(unlimited, 5)
+    assert late.check() == 0  # both looking from now on
+    time.sleep(0.2)
+    limited.stage = AveragingStage.AWAITING_TRIGGER  # found a group for a moment: its clock restarts
+    assert late.check() == 0
+    limited.stage = AveragingStage.LOOKING_FOR_GROUP
+    assert late.check() == 0
+    time.sleep(0.2)
+    assert late.check() == 0 and not limited.cancelled()  # 0.2 s of looking since it restarted
+    time.sleep(0.15)
+    assert late.check() == 1 and limited.cancelled()
+    assert not unlimited.cancelled() and late.check() == 0  # the swarm is at its epoch: only the limit applies

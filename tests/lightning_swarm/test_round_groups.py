@@ -139,3 +139,54 @@ def test_delay_state_averaging_alone_is_left_as_it_is():
     finally:
         optimizer.shutdown()
         dht.shutdown()
+
+
+@pytest.mark.slow
+def test_a_peer_that_leaves_its_group_at_the_all_reduce_costs_the_others_no_timeout():
+    """A peer that finds a member it keeps out in its group leaves at the all-reduce. Its groupmates used to wait
+    next_chunk_timeout for its parts and its results (its reducer's handler waited for the leaver's next group,
+    hivemind's registration event being cleared by its next search): 10 s of a 1.3 s epoch in the NaN swarm test,
+    which put one honest peer's rounds out of step with the other's. The leaver now tells its groupmates' reducers
+    at once, and refuses parts for the round it left: the others end the round within a second or two."""
+    from hivemind.p2p import PeerID
+
+    from lightning_swarm.hivemind_ext.robust_allreduce import RobustAveraging
+
+    class LeavingAverager(HivemindRpcNames, PatientGroupRegistration, RobustAveraging, DecentralizedAverager):
+        """hivemind's averager with the robust all-reduce (which leaves groups with kept-out members)."""
+
+    next_chunk_timeout = 10.0
+    first = SwarmDHT(start=True, host_maddrs=LOCAL)
+    dhts = [first] + [SwarmDHT(start=True, host_maddrs=LOCAL, initial_peers=first.get_visible_maddrs())
+                      for _ in range(2)]
+    averagers = []
+    try:
+        averagers = [LeavingAverager([torch.full((3000,), float(value))], dht=dht, prefix="leaving", start=True,
+                                     target_group_size=3, min_matchmaking_time=3.0, request_timeout=1.0,
+                                     next_chunk_timeout=next_chunk_timeout)
+                     for value, dht in enumerate(dhts)]
+        controls = [averager.step(timeout=60.0, require_trigger=True, allow_retries=False, wait=False)
+                    for averager in averagers]
+        deadline = time.monotonic() + 45
+        while not all(control.stage.name == "AWAITING_TRIGGER" for control in controls):
+            assert time.monotonic() < deadline, [control.stage.name for control in controls]
+            assert not any(control.done() for control in controls), "a peer found no group: the three did not meet"
+            time.sleep(0.05)
+        # the group of three is formed; only now does the first peer keep the third out (it leaves at the all-reduce)
+        averagers[0].exclude_peer(PeerID.from_base58(str(dhts[2].peer_id)), "a test")
+        started = time.monotonic()
+        for control in controls:
+            control.allow_allreduce()
+        with pytest.raises(Exception, match="kept out"):
+            controls[0].result(timeout=30)
+        for control in controls[1:]:
+            assert len(control.result(timeout=30)) == 3  # the round of the three, without the leaver's parts
+        took = time.monotonic() - started
+        assert took < next_chunk_timeout / 2, f"the others waited {took:.1f} s for the peer that left"
+        with averagers[0].get_tensors() as (tensor,):
+            assert torch.all(tensor == 0.0), "the leaver applied something of the round it left"
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
