@@ -65,6 +65,8 @@ Every private name used is listed in :data:`~lightning_swarm.hivemind_ext.privat
     - ``DecentralizedAverager._run_allreduce_inplace_``: hivemind's, building our runner; it uses ``_p2p``,
       ``_running_groups``, ``_averaging_alpha``, ``_state_updated`` as hivemind does.
     - ``TensorPartContainer.register_failed_reducer``: extended, a failed reducer's slice is marked uncheckable.
+    - ``DecentralizedAverager._step``: extended, the rounds under way are remembered; a round this peer leaves
+      (a member it keeps out is in the group) gets ``StepControl._allow_retries`` cleared: it is not retried.
 ``result_records`` (what the check of the reducers keeps of a round's results, and the reducer's header on each)
     - ``AllReduceRunner._accumulate_parts_streaming``: extended, each result message gets the reducer's header;
       ``tensor_part_reducer`` holds the headers.

@@ -231,6 +231,12 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
         ("DecentralizedAverager._averaging_alpha", "applied to each averaged update, as hivemind does"),
         ("DecentralizedAverager._state_updated", "set after each update, as hivemind does"),
     ], instance=True)
+    + _symbols("hivemind.averaging.averager", "robust_allreduce", [
+        ("DecentralizedAverager._step", "extended: remembers the rounds under way (a round this peer leaves)"),
+    ])
+    + _symbols("hivemind.averaging.control", "robust_allreduce", [
+        ("StepControl._allow_retries", "cleared on the round this peer leaves: it is not retried"),
+    ], instance=True)
     + _symbols("hivemind.optim.state_averager", "state", [
         ("TrainingStateAverager._update_scheduler", "steps the LR schedule to a new epoch set by the monitor"),
     ])

@@ -29,12 +29,14 @@ import functools
 import inspect
 import logging
 import os
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from collections import defaultdict
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartContainer, TensorPartReducer
@@ -437,6 +439,11 @@ class RobustAveraging(ReportMailbox):
             return None
         return {peer: float(self.max_sender_weight) for peer in group_info.peer_ids}
 
+    async def _step(self, *, step: StepControl, **kwargs):
+        # remembered (averager process) so that a round this peer leaves is not retried: see _leave_group_now
+        self.__dict__.setdefault("_rounds_under_way", weakref.WeakSet()).add(step)
+        return await super()._step(step=step, **kwargs)
+
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
                                       group_id: Optional[bytes] = None, **kwargs):
         # hivemind 1.1.12's DecentralizedAverager._run_allreduce_inplace_, with RobustAllReduceRunner
@@ -491,7 +498,15 @@ class RobustAveraging(ReportMailbox):
         failure message in place of this peer's parts (it drops this sender now), and a member sending parts to
         this peer's reducer gets an error at once. Without it, every other member waited ``next_chunk_timeout`` for
         this peer's parts and results (10 s of a 1.3 s epoch in the NaN swarm test): a blocked state round put an
-        honest peer epochs behind its swarm, which left the other honest peer alone for those epochs."""
+        honest peer epochs behind its swarm, which left the other honest peer alone for those epochs.
+
+        The round is not retried either (it fails like a round whose group fell apart: local gradients, own state):
+        its groupmates of this epoch are averaging by now, and a retry met their next epoch's round instead, which
+        left this peer one round out of step with them (the NaN swarm test: each epoch after, one honest peer's
+        state round looked for the other while the other's gradient round waited for the first)."""
+        for step in list(self.__dict__.get("_rounds_under_way", ())):
+            if step.stage == AveragingStage.RUNNING_ALLREDUCE and not step.done():
+                step._allow_retries = False
         registered = self._running_groups.get(group_id)
         if registered is not None and not registered.done():
             registered.set_exception(MatchmakingException(reason))
