@@ -197,11 +197,6 @@ def remapped(statement: Combination, accepted: Sequence[int], num_senders: int) 
                        statement.accepted, statement.mode)
 
 
-def zeros_combination(num_senders: int, accepted: int) -> Combination:
-    """A part refused for everyone (zeros): all the mass on the virtual part (zeros)."""
-    return Combination((0.0,) * num_senders, 1.0, 0.0, 0.0, 0.0, accepted, MODE_CLIPPED)
-
-
 # who a failed check blames (Verdict.blame)
 BLAME_NONE, BLAME_REDUCER, BLAME_DISPUTE = "none", "reducer", "dispute"
 # relative slack of a claimed distance over a member's upper bound of it (float32 norms of the same vector)

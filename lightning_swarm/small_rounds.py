@@ -25,9 +25,11 @@ def lone_sender_refusal(sender: int, record: Optional[float]) -> Optional[Refusa
     """With the alignment screen: whether the only sender of a part is refused (its Refusal), or None if believed.
     Nothing can check a lone part, and one loud gradient (-1e3 x) left in an adaptive optimizer's statistics spoils
     hundreds of steps: it is believed only from a sender seen in earlier rounds of 2 or more senders of this run with
-    a record (``record``: :meth:`SenderTrust.record`, None: never seen) of at least ``LONE_SENDER_MIN_TRUST``. The
-    part's result is then zeros for every sender, the lone one too (were it to keep its own part, the group's peers
-    would step apart)."""
+    a record (``record``: :meth:`SenderTrust.record`, None: never seen) of at least ``LONE_SENDER_MIN_TRUST``.
+    Refused, every sender keeps its own part there: no one applies the lone part but its sender, and a lone honest
+    sender (its groupmate a NaN sender it did not know, refused) makes its step on its own gradient, where zeros
+    for everyone lost that step (test_byzantine_swarm.py's nan case: one of its 6 epochs, +13% on the final loss).
+    The group's members then step apart by one local step; the state round that follows merges them."""
     if record is not None and record >= LONE_SENDER_MIN_TRUST:
         return None
     return Refusal(sender, f"the only sender of a part, not seen before in this run or with a record below "

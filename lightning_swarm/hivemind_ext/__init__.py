@@ -14,6 +14,13 @@ Every private name used is listed in :data:`~lightning_swarm.hivemind_ext.privat
     - ``Optimizer._maybe_schedule_state_averaging`` and ``Optimizer.delay_before_state_averaging``: state rounds
       get pre-scheduled in a swarm (hivemind 1.1.12 never does).
     - ``ServicerBase._get_handle_name``: our averager subclasses serve RPCs under hivemind's class names.
+    - ``Optimizer._average_gradients_and_load_into_optimizer``: extended, a peer whose synchronous gradient group
+      was one epoch ahead takes its epoch (``TrainingStateAverager._update_scheduler`` for its LR, and its
+      pre-scheduled state round, ``Optimizer.scheduled_state``, moved to that epoch).
+    - ``Optimizer._load_local_gradients_into_optimizer``: overridden while ``GradientAverager._new_averaged_grads``
+      is set (a round was begun with this epoch's gradient and failed): ``_load_averaged_gradients_into_optimizer_``
+      loads the gradient kept in the averager (hivemind reloaded the accumulators its ``GradientAverager.step`` had
+      zeroed: a zero step).
 ``matchmaking`` (leader search that polls the DHT at a bounded rate)
     - ``PotentialLeaders`` and ``PotentialLeaders._update_queue_periodically``: hivemind's polling loop, with a
       pause; it uses the instance attributes ``peer_id``, ``min_matchmaking_time``, ``target_group_size``,

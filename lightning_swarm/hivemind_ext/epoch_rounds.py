@@ -137,6 +137,9 @@ class RoundEpochSender(DecentralizedAverager):
     ``on_round`` (attribute, trainer's process): a callable given each round's StepControl, its epoch and the
     averager, for rounds started with ``wait=False`` (as the optimizer starts them), e.g. :meth:`LateRounds.watch`.
 
+    A round started without a ``gather`` (a gradient round) gathers its epoch, so that each member learns its
+    groupmates' epochs (``SwarmOptimizer`` follows a group one epoch ahead).
+
     A StepControl returned by ``step`` carries its round's epoch as ``round_epoch`` (None: hivemind's one key);
     :meth:`move_round` changes it.
     """
@@ -149,6 +152,8 @@ class RoundEpochSender(DecentralizedAverager):
         epoch = self.round_epoch() if self.round_epoch is not None else None
         if epoch is None and isinstance(gather, int) and not isinstance(gather, bool):
             epoch = gather
+        if gather is None and epoch is not None:
+            gather = epoch  # (gradient rounds) the groupmates learn each other's epochs: SwarmOptimizer follows them
         if self.epoch_keys is not None and not self.epoch_keys():
             epoch = None
         if self.is_alive() and hasattr(self, "_set_round_epoch"):  # RoundEpochs receives it

@@ -296,6 +296,52 @@ class SwarmOptimizer(CatchUpAfterDownload, hivemind.Optimizer):
         test's newcomer, whose state round joined the swarm's next one)."""
         return bool(self.delay_grad_averaging or self.delay_optimizer_step)
 
+    def _load_local_gradients_into_optimizer(self) -> None:
+        averager = self.grad_averager
+        if averager is not None and averager._new_averaged_grads:
+            # a round was begun with this epoch's gradient and failed: hivemind's GradientAverager.step zeroed the
+            # accumulators as it began the round, and reloading them (hivemind's fallback) applied a zero gradient:
+            # the peer's whole epoch of samples was lost. The averager's buffers still hold its gradient (where the
+            # round completed a part before failing, the group's result for it)
+            hivemind.optim.optimizer.logger.log(
+                self.status_loglevel, "Proceeding with local gradients (kept in the averager: its round failed)")
+            self._load_averaged_gradients_into_optimizer_()
+            return
+        super()._load_local_gradients_into_optimizer()
+
+    def _average_gradients_and_load_into_optimizer(self, maybe_step_control) -> None:
+        super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+        if maybe_step_control is not None and not self._rounds_matched_per_epoch():
+            self._follow_group_epoch(maybe_step_control)
+
+    def _follow_group_epoch(self, control) -> None:
+        """After a synchronous gradient round whose groupmates' rounds led one epoch further than this peer's (each
+        member gathers its round's epoch, ``RoundEpochSender``), take their epoch for this global step: its LR, and
+        the state round that follows (matched per epoch), which then meets theirs and merges the parameters.
+
+        Synchronous gradient rounds share one key across epochs, so a peer whose round missed its group (or left it)
+        finds the group of its peers' *next* round; ending its own epoch there, it stayed one epoch behind them for
+        good, its state rounds never meeting theirs (test_byzantine_swarm.py's nan case: two honest peers one round
+        out of step for the rest of the run, one 30% above the other's loss). At most one epoch per round: a member
+        claiming more is not followed (a peer further behind downloads the state, as in hivemind)."""
+        if not control.done() or control.cancelled() or control.exception() is not None:
+            return
+        gathered = control.result()
+        if not isinstance(gathered, dict):
+            return
+        ours = self.local_epoch + 1  # the epoch this global step leads to, as this peer's round gathered it
+        claims = [epoch for epoch in gathered.values()
+                  if isinstance(epoch, int) and not isinstance(epoch, bool)]
+        if ours + 1 not in claims:
+            return
+        averager = self.state_averager
+        averager.local_epoch = ours  # the step below increments it to the group's
+        averager._update_scheduler()  # the LR of the group's epoch
+        if self.scheduled_state is not None and isinstance(averager, RoundEpochSender):
+            averager.move_round(self.scheduled_state, ours + 1)
+        log.warning(f"[lightning_swarm] this peer's gradient group ended epoch {ours}, one past this peer's: it "
+                 f"follows (its next epoch is {ours + 1})")
+
     def _peek_global_epoch(self) -> int:
         peek = getattr(self.tracker, "peek_global_epoch", None)  # (a tracker of hivemind's own class has none)
         return peek() if peek is not None else self.tracker.global_epoch

@@ -65,6 +65,20 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
         ("Optimizer._make_state_averager", "overridden to build a SwarmStateAverager with hivemind's arguments"),
         ("Optimizer._maybe_schedule_gradient_averaging", "overridden: no pre-scheduled rounds while alone"),
         ("Optimizer._maybe_schedule_state_averaging", "overridden: pre-schedule state rounds in a swarm"),
+        ("Optimizer._average_gradients_and_load_into_optimizer",
+         "extended: a peer follows a gradient group one epoch ahead"),
+        ("Optimizer._load_local_gradients_into_optimizer",
+         "overridden after a failed round: the gradient kept in the averager, not the zeroed accumulators"),
+        ("Optimizer._load_averaged_gradients_into_optimizer_", "loads that gradient, as hivemind does"),
+    ])
+    + _symbols(_OPTIMIZER, "optimizer", [
+        ("Optimizer.scheduled_state", "the pre-scheduled state round, moved to the epoch a peer follows"),
+    ], instance=True)
+    + _symbols("hivemind.optim.grad_averager", "optimizer", [
+        ("GradientAverager._new_averaged_grads", "set while a round was begun with this epoch's gradient"),
+    ], instance=True)
+    + _symbols("hivemind.optim.state_averager", "optimizer", [
+        ("TrainingStateAverager._update_scheduler", "steps the LR schedule to the epoch a peer follows"),
     ])
     + _symbols(_OPTIMIZER, "optimizer", [
         ("Optimizer.delay_before_state_averaging", "seeded with 0 s so that state rounds get pre-scheduled"),

@@ -107,10 +107,10 @@ def screen_and_aggregate(parts: Sequence[Optional[torch.Tensor]], weights: Seque
         return None, refusals, {}
     if min_alignment is not None and aggregation == "centered_clip" and len(accepted) == 1:
         refusal = lone_sender_refusal(accepted[0], None if trust is None else trust[accepted[0]])
-        if refusal is not None:  # zeros for every sender (the lone one too): the group stays in step
+        if refusal is not None:  # every sender keeps its own part (lone_sender_refusal says why)
             if statement is not None:
-                statement.append(reducer_checks.zeros_combination(len(parts), 1))
-            return torch.zeros(parts[accepted[0]].shape, dtype=torch.float32), refusals + [refusal], {}
+                statement.append(reducer_checks.keep_combination(len(parts)))
+            return None, refusals + [refusal], {}
     made: Optional[list] = [] if statement is not None else None
     result, judged = aggregate_parts(
         [parts[i] for i in accepted], accepted_weights, aggregation, tau, iters, min_alignment,

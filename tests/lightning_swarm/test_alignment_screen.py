@@ -89,13 +89,14 @@ def test_a_loud_or_negated_second_sender_never_turns_the_step_back(scale):
 
 def test_reducer_refuses_a_lone_sender_without_a_record_and_records_a_loud_one(caplog):
     _, (honest, other) = noisy_gradients(2, noise=0.5, size=500)
-    # a lone sender never seen: refused (zeros for every sender, the lone one too: the group stays in step); one
-    # with a good record: believed
+    # a lone sender never seen: refused (every sender keeps its own part: the weight-0 one its zeros, the lone one
+    # its own part); one with a good record: believed
+    own = [-1e3 * honest, 0.5 * other]
     for record, believed in [(None, False), (0.2, False), (0.9, True)]:
-        results = run_reducer([[-1e3 * honest], [torch.zeros(500)]], [16.0, 0.0], caplog,
+        results = run_reducer([[own[0]], [own[1]]], [16.0, 0.0], caplog,
                               aggregation="centered_clip", min_alignment=0.5, trust=[record, None])
         for sender in range(2):
-            assert torch.equal(results[sender][0], -1e3 * honest if believed else torch.zeros(500)), record
+            assert torch.equal(results[sender][0], own[0] if believed else own[sender]), record
     assert "the only sender of a part, not seen before in this run or with a record below 0.5" in caplog.text
     # of 2 senders, one 1e3 times as long as the other is recorded as an outlier
     reported = []

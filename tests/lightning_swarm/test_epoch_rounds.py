@@ -104,6 +104,23 @@ def test_a_next_epoch_round_cannot_take_a_seat_in_the_current_epochs_group(avera
             assert torch.allclose(tensor, torch.full_like(tensor, 2.0))
 
 
+def test_rounds_under_one_key_gather_their_epochs(averagers):
+    """Synchronous gradient rounds share one key across epochs (``epoch_keys`` says False), so a peer one epoch behind
+    averages with its peers' next round; each round gathers the epoch it leads to, and every member learns its
+    groupmates' (SwarmOptimizer._follow_group_epoch then follows a group one epoch ahead)."""
+    for averager, epoch in zip(averagers, [5, 6]):
+        averager.round_epoch = lambda epoch=epoch: epoch
+        averager.epoch_keys = lambda: False
+    rounds = [averager.step(timeout=30.0, wait=False) for averager in averagers]
+    for averager, control in zip(averagers, rounds):
+        assert control.round_epoch is None  # hivemind's one key
+        gathered = control.result(timeout=30)
+        assert sorted(gathered.values()) == [5, 6] and gathered[averager.peer_id] == [5, 6][averagers.index(averager)]
+    for averager in averagers:
+        with averager.get_tensors() as (tensor,):
+            assert torch.allclose(tensor, torch.full_like(tensor, 2.0))
+
+
 def test_a_moved_round_averages_with_the_rounds_of_its_new_epoch(averagers):
     """A peer that caught up with the swarm (catch_up) moves its triggered round of epoch 5, still looking for a
     group, to epoch 6: it then averages with the other peer's round of epoch 6 (under epoch 5 it found nobody:

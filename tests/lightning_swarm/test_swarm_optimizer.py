@@ -14,6 +14,7 @@ from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
 
 from lightning_swarm.hivemind_ext.lifetime import SwarmDHT
 from lightning_swarm.hivemind_ext.matchmaking import ThrottledPotentialLeaders, default_poll_interval
@@ -179,3 +180,87 @@ def test_client_mode_peer_passes_global_steps(dht):
     finally:
         optimizer.shutdown()
         client.shutdown()
+
+
+def test_a_peer_whose_gradient_group_was_one_epoch_ahead_takes_its_epoch(dht):
+    """A synchronous gradient round that met the groupmates' next round (their rounds gathered one epoch more than
+    this peer's, test_epoch_rounds.py) leaves this peer at their epoch after its global step, with the LR of their
+    epoch: its state rounds (matched per epoch) then meet theirs. A claim of two epochs more, a non-number, a failed
+    round are not followed."""
+    model = torch.nn.Linear(8, 1)
+    optimizer = SwarmOptimizer(
+        dht=dht, run_id="follow_group", target_batch_size=32, batch_size_per_step=16,
+        optimizer=lambda params: torch.optim.SGD(params, lr=1.0), params=model.parameters(),
+        scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 / (1 + epoch)),
+        matchmaking_time=1.0, averaging_timeout=5.0, verbose=False,
+    )
+
+    def finished_round(result=None, error=None):
+        control = StepControl(scheduled_time=get_dht_time(), deadline=float("inf"), allow_retries=False,
+                              weight=1.0, data_for_gather=b"")
+        control.set_exception(error) if error is not None else control.set_result(result)
+        return control
+
+    try:
+        optimizer.state_averager.local_epoch = 2  # this peer's global step leads to epoch 3
+        optimizer.state_averager._update_scheduler()
+        me, other = dht.peer_id, "peer"
+        for result, error in [({me: 3, other: 5}, None), ({me: 3, other: True}, None), ({me: 3, other: "4"}, None),
+                              (None, RuntimeError("round failed")), ({me: 3, other: 3}, None)]:
+            optimizer._follow_group_epoch(finished_round(result, error))
+            assert optimizer.local_epoch == 2, (result, error)
+        optimizer._follow_group_epoch(finished_round({me: 3, other: 4}))
+        assert optimizer.local_epoch == 3  # the global step then ends at epoch 4, with the group
+        assert optimizer.state_averager.optimizer.param_groups[0]["lr"] == pytest.approx(1.0 / 4)
+    finally:
+        optimizer.shutdown()
+
+
+def test_a_failed_gradient_round_steps_on_the_peers_own_gradient(dht):
+    """A peer's gradient round finds no group (the other peer of the run trains, but is far from its own epoch's end):
+    the round fails and the peer steps on its own gradient. hivemind 1.1.12's GradientAverager.step zeroes the
+    accumulators as it begins the round, and hivemind.Optimizer's fallback reloaded them: a failed round stepped on
+    zeros and the epoch's samples were lost (test_byzantine_swarm.py's nan case: an honest peer that left a round with
+    the NaN sender kept its parameters unchanged through that epoch)."""
+    other_dht = SwarmDHT(start=True, host_maddrs=LOCAL, initial_peers=dht.get_visible_maddrs())
+    torch.manual_seed(0)
+    model, other_model = torch.nn.Linear(8, 1), torch.nn.Linear(8, 1)
+    common = dict(run_id="failed_round", batch_size_per_step=16, matchmaking_time=1.0, averaging_timeout=3.0,
+                  verbose=False)
+
+    def tracker_opts():  # its own key: the process-wide one would make both peers' progress one record
+        return dict(min_refresh_period=0.1, max_refresh_period=0.5, default_refresh_period=0.2,
+                    private_key=RSAPrivateKey())
+
+    optimizer = SwarmOptimizer(dht=dht, target_batch_size=48, params=model.parameters(), tracker_opts=tracker_opts(),
+                               optimizer=lambda params: torch.optim.SGD(params, lr=0.1), **common)
+    # its own target is far: it never looks for a group, but its progress makes the swarm 2 peers
+    other = SwarmOptimizer(dht=other_dht, target_batch_size=10_000, params=other_model.parameters(),
+                           tracker_opts=tracker_opts(), optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                           **common)
+    try:
+        other_model(torch.randn(16, 8)).pow(2).mean().backward()
+        other.step()
+        batches = [(torch.randn(16, 8), torch.randn(16, 1)) for _ in range(2)]
+        before = [p.detach().clone() for p in model.parameters()]
+        reference = torch.nn.Linear(8, 1)
+        reference.load_state_dict(model.state_dict())
+        for x, y in batches:  # the gradient of the mean loss over both batches, computed apart
+            torch.nn.functional.mse_loss(reference(x), y).div(len(batches)).backward()
+        for index, (x, y) in enumerate(batches):  # the second step ends the epoch (48 samples): no group is found
+            if index == 1:  # both peers' progress in sight: hivemind begins a round only with another peer
+                deadline = time.monotonic() + 20
+                while optimizer.tracker.fetch_global_progress().num_peers < 2:
+                    assert time.monotonic() < deadline, "the peers' progress records never arrived"
+                    time.sleep(0.1)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert optimizer.local_epoch == 1
+        for param, old, ref in zip(model.parameters(), before, reference.parameters()):
+            assert not torch.equal(param.detach(), old), "the failed round's step was taken on zeros"
+            assert torch.allclose(param.detach(), old - 0.1 * ref.grad, atol=1e-6)
+    finally:
+        optimizer.shutdown()
+        other.shutdown()
+        other_dht.shutdown()
