@@ -22,6 +22,10 @@ SwarmOptimizer changes these things and nothing else:
 - a round (matched per epoch) still looking for a group once the swarm went past its epoch is given up after a
   matchmaking window (:class:`~lightning_swarm.hivemind_ext.epoch_rounds.LateRounds`), and a peer that arrives at an
   epoch as it ends sits it out (:mod:`~lightning_swarm.hivemind_ext.catch_up`);
+- a gradient round that failed leaves the peer its own gradient for its step (hivemind 1.1.12 stepped on the
+  accumulators its ``GradientAverager.step`` had zeroed as the round began: the epoch's samples were lost);
+- a peer whose synchronous gradient round met its groupmates' next round (synchronous rounds share one key) takes
+  their epoch for its step, so that its state round meets theirs (each gradient round gathers its epoch);
 - a newcomer's state download is verified, logged and retried, and skips the gradient buffers
   (:mod:`~lightning_swarm.hivemind_ext.state_download`); its retries end when ``stop_waiting()`` says so; a state at
   most ``max_stale_epochs`` behind the swarm's is trained on (:mod:`~lightning_swarm.hivemind_ext.catch_up`);
@@ -340,7 +344,7 @@ class SwarmOptimizer(CatchUpAfterDownload, hivemind.Optimizer):
         if self.scheduled_state is not None and isinstance(averager, RoundEpochSender):
             averager.move_round(self.scheduled_state, ours + 1)
         log.warning(f"[lightning_swarm] this peer's gradient group ended epoch {ours}, one past this peer's: it "
-                 f"follows (its next epoch is {ours + 1})")
+                    f"follows (its next epoch is {ours + 1})")
 
     def _peek_global_epoch(self) -> int:
         peek = getattr(self.tracker, "peek_global_epoch", None)  # (a tracker of hivemind's own class has none)

@@ -15,6 +15,7 @@ from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.mpfuture import MPFuture
 
 from lightning_swarm.hivemind_ext.lifetime import SwarmDHT
 from lightning_swarm.hivemind_ext.matchmaking import ThrottledPotentialLeaders, default_poll_interval
@@ -47,6 +48,8 @@ def _search(dht: hivemind.DHT, poll_interval: float, seconds: float, declare_oth
                                             kept_out=lambda: kept_out)
         step = StepControl(scheduled_time=get_dht_time() + seconds, deadline=get_dht_time() + seconds,
                            allow_retries=False, weight=1.0, data_for_gather=b"")
+        step.attach(MPFuture(), MPFuture())  # as an averager attaches them (else its __del__ raises)
+        step.allow_allreduce()
         declared_at = None
 
         async def declare_other():
@@ -198,6 +201,8 @@ def test_a_peer_whose_gradient_group_was_one_epoch_ahead_takes_its_epoch(dht):
     def finished_round(result=None, error=None):
         control = StepControl(scheduled_time=get_dht_time(), deadline=float("inf"), allow_retries=False,
                               weight=1.0, data_for_gather=b"")
+        control.attach(MPFuture(), MPFuture())  # as the averager attaches them; triggered, like a round that ran
+        control.allow_allreduce()
         control.set_exception(error) if error is not None else control.set_result(result)
         return control
 
