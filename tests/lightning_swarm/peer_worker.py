@@ -152,8 +152,8 @@ class SwarmRecorder(pl.Callback):
     """Record parameters and swarm state at every global epoch; stop at `stop_at_epoch` (or after `max_seconds`).
 
     barrier_dir, barrier_count: before the first step, write a file into `barrier_dir` and wait (up to
-        `barrier_timeout` seconds) until `barrier_count` peers did, so that peers start together; before the second step, wait until this peer's
-        progress tracker sees them all (hivemind lists a peer only once it has reported samples), unless
+        `barrier_timeout` seconds) until `barrier_count` peers did, so that peers start together; before the second step, fetch the
+        swarm's progress until this peer's tracker sees them all (hivemind lists a peer only once it has reported samples), unless
         `wait_for_swarm` is False (peers of different runs that only start together).
     first_step_delay: seconds to sleep after the barrier, before the first step: the other peers report their
         samples first, and this peer's tracker reads them before its own record exists (a peer late by one
