@@ -71,9 +71,6 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
          "overridden after a failed round: the gradient kept in the averager, not the zeroed accumulators"),
         ("Optimizer._load_averaged_gradients_into_optimizer_", "loads that gradient, as hivemind does"),
     ])
-    + _symbols(_OPTIMIZER, "optimizer", [
-        ("Optimizer.scheduled_state", "the pre-scheduled state round, moved to the epoch a peer follows"),
-    ], instance=True)
     + _symbols("hivemind.optim.grad_averager", "optimizer", [
         ("GradientAverager._new_averaged_grads", "set while a round was begun with this epoch's gradient"),
     ], instance=True)
@@ -89,6 +86,7 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
         ("Optimizer.status_loglevel", "argument of the state averager and tracker, as hivemind passes it"),
         ("Optimizer.next_chunk_timeout", "argument of the state averager, as hivemind passes it"),
         ("Optimizer.auxiliary", "argument of the state averager, as hivemind passes it"),
+        ("Optimizer.scheduled_state", "the pre-scheduled state round, moved to the epoch a peer follows"),
     ], instance=True)
     + _symbols("hivemind.p2p.servicer", "optimizer", [
         ("ServicerBase._get_handle_name", "subclassed averagers serve RPCs under hivemind's class names"),
