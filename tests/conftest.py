@@ -13,10 +13,26 @@ torch.set_num_threads(int(os.environ.get("TEST_TORCH_THREADS", "1")))
 FAST_TEST_TIMEOUT = 180
 
 
+# With pytest-xdist (`-n 2 --dist loadgroup`, README and .ci/run) the multi-peer tests run one after the other on one
+# worker, as without it: each starts several processes and some bound round times, so two at once on 2 cores would
+# measure each other's load. The fast tests run on the other worker beside them. The slow tests that start no swarm
+# (a recipe's commands, the notebook, pip queries) go first, beside the fast tests, so the swarms start once that
+# worker is free (docs/test-suite.md).
+MULTI_PEER_GROUP = "multi_peer"
+SLOW_WITHOUT_A_SWARM = ("tests/recipes/", "tests/test_join_notebook.py", "tests/lightning_swarm/test_platforms.py")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(items):
     for item in items:
-        if item.get_closest_marker("slow") is None and item.get_closest_marker("timeout") is None:
-            item.add_marker(pytest.mark.timeout(FAST_TEST_TIMEOUT))
+        if item.get_closest_marker("slow") is None:
+            if item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(FAST_TEST_TIMEOUT))
+        else:
+            item.add_marker(pytest.mark.xdist_group(MULTI_PEER_GROUP))
+    # stable: within each class the collection order stays
+    items.sort(key=lambda item: item.get_closest_marker("slow") is not None
+               and not item.nodeid.startswith(SLOW_WITHOUT_A_SWARM))
 
 
 @pytest.fixture(autouse=True)
@@ -47,20 +63,31 @@ def _hivemind_result_locks_free():
                     "hivemind processes would hang")
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _no_exclusion_files_left():
+def _exclusions_folder():
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), "lightning_swarm_exclusions")
+
+
+def _exclusion_files():
+    folder = _exclusions_folder()
+    return set(os.listdir(folder)) if os.path.isdir(folder) else set()
+
+
+def pytest_sessionstart(session):
+    session.config._exclusion_files_before = _exclusion_files()
+
+
+def pytest_sessionfinish(session):
     """Each peer keeps the peers it keeps out of its groups in a file named for its peer id under the temporary folder
     (``ReportMailbox.exclude_peer``: its averagers share it, and a later run under the same identity keeps them out
     too). Test peers have fresh identities: the files they wrote are removed after the session (467 were left behind
-    by a few runs of the suite)."""
-    import tempfile
-
-    folder = os.path.join(tempfile.gettempdir(), "lightning_swarm_exclusions")
-    before = set(os.listdir(folder)) if os.path.isdir(folder) else set()
-    yield
-    if os.path.isdir(folder):
-        for name in set(os.listdir(folder)) - before:
-            try:
-                os.remove(os.path.join(folder, name))
-            except OSError:
-                pass
+    by a few runs of the suite). Under pytest-xdist only the controller removes them, once every worker is done: a
+    worker that finished early would delete the files of peers still running on the other."""
+    if hasattr(session.config, "workerinput"):  # a pytest-xdist worker
+        return
+    for name in _exclusion_files() - getattr(session.config, "_exclusion_files_before", set()):
+        try:
+            os.remove(os.path.join(_exclusions_folder(), name))
+        except OSError:
+            pass
