@@ -22,14 +22,17 @@ MULTI_PEER_GROUP = "multi_peer"
 SLOW_WITHOUT_A_SWARM = ("tests/recipes/", "tests/test_join_notebook.py", "tests/lightning_swarm/test_platforms.py")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
+def pytest_itemcollected(item):
+    # here, not in pytest_collection_modifyitems: pytest-xdist reads the xdist_group marks in that hook, and with
+    # pytest 9.2 its implementation ran before this conftest's even marked tryfirst (no test was grouped)
+    if item.get_closest_marker("slow") is not None:
+        item.add_marker(pytest.mark.xdist_group(MULTI_PEER_GROUP))
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
-        if item.get_closest_marker("slow") is None:
-            if item.get_closest_marker("timeout") is None:
-                item.add_marker(pytest.mark.timeout(FAST_TEST_TIMEOUT))
-        else:
-            item.add_marker(pytest.mark.xdist_group(MULTI_PEER_GROUP))
+        if item.get_closest_marker("slow") is None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(FAST_TEST_TIMEOUT))
     # stable: within each class the collection order stays
     items.sort(key=lambda item: item.get_closest_marker("slow") is not None
                and not item.nodeid.startswith(SLOW_WITHOUT_A_SWARM))

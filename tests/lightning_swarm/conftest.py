@@ -12,13 +12,11 @@ FUZZ_TESTS = {
 FUZZ_TIMEOUT = 280  # seconds for the child (~25 s of CPU); the tests' pytest timeouts are above it
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
-def pytest_collection_modifyitems(items):
+def pytest_itemcollected(item):
     # under pytest-xdist the fuzz tests share one worker, so one child runs the harnesses (a session fixture runs in
-    # every worker that asks for it)
-    for item in items:
-        if any(test in item.nodeid for test in FUZZ_TESTS.values()):
-            item.add_marker(pytest.mark.xdist_group("fuzz_harnesses"))
+    # every worker that asks for it); marked as collected, before pytest-xdist reads the marks (tests/conftest.py)
+    if any(test in item.nodeid for test in FUZZ_TESTS.values()):
+        item.add_marker(pytest.mark.xdist_group("fuzz_harnesses"))
 
 
 @pytest.fixture
