@@ -23,8 +23,8 @@ SLOW_WITHOUT_A_SWARM = ("tests/recipes/", "tests/test_join_notebook.py", "tests/
 
 
 def pytest_itemcollected(item):
-    # here, not in pytest_collection_modifyitems: pytest-xdist reads the xdist_group marks in that hook, and with
-    # pytest 9.2 its implementation ran before this conftest's even marked tryfirst (no test was grouped)
+    # marked as each item is collected, before any pytest_collection_modifyitems: pytest-xdist reads the marks in its
+    # own, whose order beside this conftest's is pluggy's to choose
     if item.get_closest_marker("slow") is not None:
         item.add_marker(pytest.mark.xdist_group(MULTI_PEER_GROUP))
 
@@ -77,8 +77,11 @@ def _exclusion_files():
     return set(os.listdir(folder)) if os.path.isdir(folder) else set()
 
 
+_EXCLUSION_FILES_BEFORE = pytest.StashKey[set]()
+
+
 def pytest_sessionstart(session):
-    session.config._exclusion_files_before = _exclusion_files()
+    session.config.stash[_EXCLUSION_FILES_BEFORE] = _exclusion_files()
 
 
 def pytest_sessionfinish(session):
@@ -89,7 +92,7 @@ def pytest_sessionfinish(session):
     worker that finished early would delete the files of peers still running on the other."""
     if hasattr(session.config, "workerinput"):  # a pytest-xdist worker
         return
-    for name in _exclusion_files() - getattr(session.config, "_exclusion_files_before", set()):
+    for name in _exclusion_files() - session.config.stash.get(_EXCLUSION_FILES_BEFORE, set()):
         try:
             os.remove(os.path.join(_exclusions_folder(), name))
         except OSError:
