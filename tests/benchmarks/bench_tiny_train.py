@@ -6,6 +6,8 @@ batches, per variant:
     before        the full CLIP BPE text vocabulary (49,408 rows) and reversible layers (the config before issue 15)
     compact       the compact shapes vocabulary (model.text_vocabulary: shapes), reversible layers
     compact-plain the compact vocabulary and plain residual layers (no recomputation in backward)
+    plain         the full vocabulary and plain residual layers
+    plain-full-attn  plain, and every layer's image queries attending to all earlier cells (``full``)
 
 CLIP (configs/clip_tiny.yaml's model and batch, fp32): a step of `CLIPModule` on a real batch (``--clip``), and
 the CPU time of drawing a batch (what the DataLoader worker does beside the model; the median of 3 batches after
@@ -49,6 +51,8 @@ DALLE_VARIANTS = {
     "before": {"text_vocabulary": "full", "reversible": True},
     "compact": {"text_vocabulary": "shapes", "reversible": True},
     "compact-plain": {"text_vocabulary": "shapes", "reversible": False},
+    "plain": {"text_vocabulary": "full", "reversible": False},
+    "plain-full-attn": {"text_vocabulary": "full", "reversible": False, "attn_types": ["full"] * 4},
 }
 
 CLIP_VARIANTS = {  # data settings over configs/clip_tiny.yaml's
@@ -117,6 +121,8 @@ def dalle_worker(variant: str, threads: int, steps: int, warmup: int, flops: boo
     settings = DALLE_VARIANTS[variant]
     recipe.model_init_args["text_vocabulary"] = settings["text_vocabulary"]
     recipe.model_init_args["config"]["reversible"] = settings["reversible"]
+    if "attn_types" in settings:
+        recipe.model_init_args["config"]["attn_types"] = settings["attn_types"]
     module = recipe.build_model()
     model, config = module.model, module.config
     optimizer = module.configure_optimizers()["optimizer"]
