@@ -1,0 +1,72 @@
+"""What a tiny DALL-E draws for the colour/shape pairs it never saw: the colour and shape the caption checker reads
+in each sample of a held-out single-shape caption ("a big red triangle"), tallied.
+
+A held-out pair drawn wrong is either the right shape in another colour, the right colour in another shape, both
+wrong, or no single readable shape at all; which one it is says what the model failed to combine.
+
+    python tests/benchmarks/probe_held_out_errors.py --checkpoint runs/dalle_tiny/checkpoints [--samples 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from inference.checkpoint import load_dalle  # noqa: E402
+from inference.sampling import sample_codes  # noqa: E402
+from recipes.shapes import HELD_OUT_PAIRS, SIZES, find_blobs  # noqa: E402
+
+
+def outcome(wanted_colour: str, wanted_shape: str, codes: torch.Tensor) -> str:
+    blobs = find_blobs(codes)
+    if len(blobs) != 1:
+        return f"{len(blobs)} shapes"
+    colour, shape = blobs[0]["colour"], blobs[0]["shape"]
+    if shape is None:
+        return "unreadable shape"
+    if (colour, shape) == (wanted_colour, wanted_shape):
+        return "right"
+    if colour == wanted_colour:
+        return "right colour, other shape"
+    if shape == wanted_shape:
+        return "right shape, other colour"
+    return "both wrong"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", required=True, help="a checkpoint directory as inference.evaluate takes it")
+    parser.add_argument("--samples", type=int, default=16, help="samples per caption")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    loaded = load_dalle(args.checkpoint)
+    generator = torch.Generator().manual_seed(args.seed)
+    totals: Counter = Counter()
+    drawn: Counter = Counter()  # what the wrong single shapes were
+    for colour, shape in sorted(HELD_OUT_PAIRS):
+        for size in SIZES:
+            caption = f"a {size} {colour} {shape}"
+            text = loaded.tokenizer([caption] * args.samples)
+            codes = sample_codes(loaded.model, text, generator=generator)
+            outcomes = Counter()
+            for row in codes:
+                result = outcome(colour, shape, row)
+                outcomes[result] += 1
+                blobs = find_blobs(row)
+                if result in ("right colour, other shape", "right shape, other colour", "both wrong"):
+                    drawn[f"{colour} {shape} -> {blobs[0]['colour']} {blobs[0]['shape']}"] += 1
+            totals.update(outcomes)
+            print(f"{caption:28s} " + ", ".join(f"{k}: {v}" for k, v in outcomes.most_common()), flush=True)
+    n = sum(totals.values())
+    print("\nall held-out single-shape samples: " + ", ".join(f"{k}: {v / n:.2f}" for k, v in totals.most_common()))
+    print("most drawn instead: " + ", ".join(f"{k} ({v})" for k, v in drawn.most_common(8)))
+
+
+if __name__ == "__main__":
+    main()
