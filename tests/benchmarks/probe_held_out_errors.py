@@ -1,7 +1,8 @@
 """What a tiny DALL-E draws for the colour/shape pairs it never saw: the colour and shape the caption checker reads
 in each sample of a held-out single-shape caption ("a big red triangle"), tallied.
 
-A held-out pair drawn wrong is either the right shape in another colour, the right colour in another shape, both
+It also prints how many of evaluate's two-shape captions name a held-out pair, and so the best two-shape accuracy
+of a model that draws none of them right. A held-out pair drawn wrong is either the right shape in another colour, the right colour in another shape, both
 wrong, or no single readable shape at all; which one it is says what the model failed to combine.
 
     python tests/benchmarks/probe_held_out_errors.py --checkpoint runs/dalle_tiny/checkpoints [--samples 16]
@@ -20,7 +21,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from inference.checkpoint import load_dalle  # noqa: E402
 from inference.sampling import sample_codes  # noqa: E402
-from recipes.shapes import HELD_OUT_PAIRS, SIZES, find_blobs  # noqa: E402
+from inference.evaluate import validation_captions  # noqa: E402
+from recipes.shapes import HELD_OUT_PAIRS, SIZES, find_blobs, parse_caption  # noqa: E402
+
+
+def two_shape_ceiling(num_captions: int = 128) -> tuple[int, int, float]:
+    """(two-shape captions, of them held out, the best two-shape accuracy of a model that draws every seen pair
+    right and no held-out pair) over evaluate's first `num_captions` validation captions."""
+    pairs = [held for caption, held in validation_captions(num_captions) if parse_caption(caption)["kind"] == "pair"]
+    return len(pairs), sum(pairs), (len(pairs) - sum(pairs)) / len(pairs)
 
 
 def outcome(wanted_colour: str, wanted_shape: str, codes: torch.Tensor) -> str:
@@ -45,6 +54,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=16, help="samples per caption")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    pairs, held_out, ceiling = two_shape_ceiling()
+    print(f"evaluate's 128 captions: {pairs} two-shape, {held_out} of them held out: without held-out pairs drawn "
+          f"right, two-shape accuracy is at most {ceiling:.3f}")
     loaded = load_dalle(args.checkpoint)
     generator = torch.Generator().manual_seed(args.seed)
     totals: Counter = Counter()

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from probe_held_out_errors import outcome  # noqa: E402
+from probe_held_out_errors import outcome, two_shape_ceiling  # noqa: E402
 from probe_val_loss_by_kind import losses_by_kind, position_entropy  # noqa: E402
 
 from recipes.dalle.model import DALLEConfig  # noqa: E402
@@ -58,3 +58,9 @@ def test_the_loss_probe_splits_a_checkpoints_loss_over_the_subsets(tmp_path):
     counts = rows["single"]["examples"], rows["two-shape"]["examples"]
     weighted = (rows["single"]["floor"] * counts[0] + rows["two-shape"]["floor"] * counts[1]) / 40
     assert abs(weighted - rows["all"]["floor"]) < 1e-9
+
+
+def test_the_ceiling_counts_evaluates_two_shape_captions():
+    pairs, held_out, ceiling = two_shape_ceiling(128)
+    assert 0 < held_out < pairs < 128
+    assert ceiling == (pairs - held_out) / pairs
