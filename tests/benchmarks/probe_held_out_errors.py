@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from inference.checkpoint import load_dalle  # noqa: E402
 from inference.sampling import sample_codes  # noqa: E402
 from inference.evaluate import validation_captions  # noqa: E402
-from recipes.shapes import HELD_OUT_PAIRS, SIZES, find_blobs, parse_caption  # noqa: E402
+from recipes.shapes import HELD_OUT_PAIRS, SIZES, check_caption, find_blobs, parse_caption  # noqa: E402
 
 
 def two_shape_ceiling(num_captions: int = 128) -> tuple[int, int, float]:
@@ -48,11 +48,35 @@ def outcome(wanted_colour: str, wanted_shape: str, codes: torch.Tensor) -> str:
     return "both wrong"
 
 
+def pair_outcome(caption: str, codes: torch.Tensor) -> str:
+    """Why a two-shape drawing fails the checker, in the order `check_caption` tests: the number of shapes, a shape
+    it cannot read, the wanted colour+shape pairs, the relation."""
+    if check_caption(caption, codes):
+        return "right"
+    wanted, blobs = parse_caption(caption), find_blobs(codes)
+    if len(blobs) != 2:
+        return f"{len(blobs)} shapes"
+    if any(blob["shape"] is None for blob in blobs):
+        return "unreadable shape"
+    found = {(blob["colour"], blob["shape"]) for blob in blobs}
+    missing = [(obj["colour"], obj["shape"]) for obj in wanted["objects"] if (obj["colour"], obj["shape"]) not in found]
+    if missing:
+        if sorted(blob["colour"] for blob in blobs) != sorted(obj["colour"] for obj in wanted["objects"]):
+            return "a colour wrong"
+        if sorted(blob["shape"] for blob in blobs) == sorted(obj["shape"] for obj in wanted["objects"]):
+            return "shapes swapped between the colours"
+        return "colours right, a shape wrong"
+    return "relation wrong"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, help="a checkpoint directory as inference.evaluate takes it")
-    parser.add_argument("--samples", type=int, default=16, help="samples per caption")
+    parser.add_argument("--samples", type=int, default=16, help="samples per held-out single-shape caption (0: skip)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pair-samples", type=int, default=4,
+                        help="samples of each of evaluate's two-shape captions (seen and held out), tallied by why "
+                             "they fail (0: skip)")
     args = parser.parse_args(argv)
     pairs, held_out, ceiling = two_shape_ceiling()
     print(f"evaluate's 128 captions: {pairs} two-shape, {held_out} of them held out: without held-out pairs drawn "
@@ -61,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     generator = torch.Generator().manual_seed(args.seed)
     totals: Counter = Counter()
     drawn: Counter = Counter()  # what the wrong single shapes were
-    for colour, shape in sorted(HELD_OUT_PAIRS):
+    for colour, shape in sorted(HELD_OUT_PAIRS) if args.samples else ():
         for size in SIZES:
             caption = f"a {size} {colour} {shape}"
             text = loaded.tokenizer([caption] * args.samples)
@@ -76,8 +100,20 @@ def main(argv: list[str] | None = None) -> None:
             totals.update(outcomes)
             print(f"{caption:28s} " + ", ".join(f"{k}: {v}" for k, v in outcomes.most_common()), flush=True)
     n = sum(totals.values())
-    print("\nall held-out single-shape samples: " + ", ".join(f"{k}: {v / n:.2f}" for k, v in totals.most_common()))
-    print("most drawn instead: " + ", ".join(f"{k} ({v})" for k, v in drawn.most_common(8)))
+    if n:
+        print("\nall held-out single-shape samples: " + ", ".join(f"{k}: {v / n:.2f}" for k, v in totals.most_common()))
+        print("most drawn instead: " + ", ".join(f"{k} ({v})" for k, v in drawn.most_common(8)))
+    if args.pair_samples:
+        tallies = {True: Counter(), False: Counter()}
+        for caption, held in validation_captions(128):
+            if parse_caption(caption)["kind"] != "pair":
+                continue
+            codes = sample_codes(loaded.model, loaded.tokenizer([caption] * args.pair_samples), generator=generator)
+            tallies[held].update(pair_outcome(caption, row) for row in codes)
+        for held, tally in tallies.items():
+            n = sum(tally.values())
+            print(f"two-shape captions, {'held out' if held else 'seen'} ({n} samples): "
+                  + ", ".join(f"{k}: {v / n:.2f}" for k, v in tally.most_common()))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from probe_held_out_errors import outcome, two_shape_ceiling  # noqa: E402
+from probe_held_out_errors import outcome, pair_outcome, two_shape_ceiling  # noqa: E402
 from probe_val_loss_by_kind import losses_by_kind, position_entropy  # noqa: E402
 
 from recipes.dalle.model import DALLEConfig  # noqa: E402
@@ -64,3 +64,21 @@ def test_the_ceiling_counts_evaluates_two_shape_captions():
     pairs, held_out, ceiling = two_shape_ceiling(128)
     assert 0 < held_out < pairs < 128
     assert ceiling == (pairs - held_out) / pairs
+
+
+def test_the_pair_probe_says_why_a_two_shape_drawing_fails():
+    caption = "a red square above a blue circle"
+
+    def drawing(top: tuple[str, str], bottom: tuple[str, str] | None) -> torch.Tensor:
+        grid = np.zeros((GRID_SIZE, GRID_SIZE), dtype=np.int16)
+        _paint(grid, top[1], top[0], 1, 3, 6)
+        if bottom is not None:
+            _paint(grid, bottom[1], bottom[0], 9, 5, 6)
+        return torch.from_numpy(grid)
+
+    assert pair_outcome(caption, drawing(("red", "square"), ("blue", "circle"))) == "right"
+    assert pair_outcome(caption, drawing(("blue", "circle"), ("red", "square"))) == "relation wrong"
+    assert pair_outcome(caption, drawing(("red", "circle"), ("blue", "square"))) == "shapes swapped between the colours"
+    assert pair_outcome(caption, drawing(("red", "square"), ("blue", "cross"))) == "colours right, a shape wrong"
+    assert pair_outcome(caption, drawing(("red", "square"), ("green", "circle"))) == "a colour wrong"
+    assert pair_outcome(caption, drawing(("red", "square"), None)) == "1 shapes"
