@@ -239,7 +239,9 @@ def format_summary(summary: dict) -> str:
     """The record as text: commit, machine, precision, times, and the figures as a markdown table."""
     m, f = summary["machine"], summary["figures"]
     lines = [
-        f"commit {summary['commit']}, work directory {summary['workdir']}, HOME {summary['home']}",
+        f"commit {summary['commit']}, work directory {summary['workdir']}, HOME {summary['home']}"
+        + (f" (HEAD moved to {summary['commit_at_end']} during the flow: a later command may have run newer code)"
+           if summary.get("commit_at_end") else ""),
         f"machine: {m['cpu_model']}; ATen capability {m['cpu_capability']}; oneDNN bf16 supported "
         f"{m['mkldnn_bf16_supported']} (AVX512-BF16 {m['avx512_bf16']}, AMX {m['amx']}); oneDNN ISA {m['onednn_isa']}; "
         f"MKL ISA {m['mkl_isa'] or '-'}; fp32 linear {m['fp32_linear_kernel']}; torch {m['torch']}, "
@@ -299,6 +301,7 @@ def run_flow(workdir: Path, *, steps=STEPS, seed: int | None = None, extra: dict
         env_changes.update(HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"))
     env = dict(os.environ, **env_changes)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))
+    commit = commit_of(repo)  # the code the commands run; checked again at the end (a long flow outlives commits)
     machine = probe_machine(env, workdir)
     precision_override = None
     if emulate_avx2:
@@ -326,7 +329,8 @@ def run_flow(workdir: Path, *, steps=STEPS, seed: int | None = None, extra: dict
                 if line.split()[:1] not in (["all"], ["held_out"], ["not_held_out"], ["single"], ["pair"]):
                     break
                 table.append(line)
-    return {"commit": commit_of(repo), "workdir": str(workdir), "home": env.get("HOME", ""), "env": env_changes,
+    commit_at_end = commit_of(repo)
+    return {"commit": commit, "commit_at_end": commit_at_end if commit_at_end != commit else None, "workdir": str(workdir), "home": env.get("HOME", ""), "env": env_changes,
             "machine": machine, "precision_override": precision_override, "seed": seed, "runs": runs,
             "val_image_losses": val_losses, "figures": figures(report, val_losses), "report": report,
             "evaluate_table": table, "checkpoint": final_checkpoint(workdir / DALLE_RUN)}

@@ -64,6 +64,7 @@ def test_the_readme_flow_runs_end_to_end_and_prints_the_evaluate_table(tmp_path)
     machine = summary["machine"]
     assert machine["precision_auto"] in ("32-true", "bf16-mixed") and machine["onednn_isa"]
     assert summary["commit"] and summary["commit"] != "unknown"
+    assert summary["commit_at_end"] is None  # nothing was committed while it ran
 
     # validations after local steps 2 and 4 (logged at steps 1 and 3), the last is the final val image loss
     assert [step for step, _ in summary["val_image_losses"]] == [1, 3]
