@@ -65,6 +65,8 @@ def pair_outcome(caption: str, codes: torch.Tensor) -> str:
             return "a colour wrong"
         if sorted(blob["shape"] for blob in blobs) == sorted(obj["shape"] for obj in wanted["objects"]):
             return "shapes swapped between the colours"
+        if blobs[0]["shape"] == blobs[1]["shape"] and blobs[0]["shape"] in [obj["shape"] for obj in wanted["objects"]]:
+            return "colours right, both drawn as one of the shapes"
         return "colours right, a shape wrong"
     return "relation wrong"
 

@@ -80,5 +80,7 @@ def test_the_pair_probe_says_why_a_two_shape_drawing_fails():
     assert pair_outcome(caption, drawing(("blue", "circle"), ("red", "square"))) == "relation wrong"
     assert pair_outcome(caption, drawing(("red", "circle"), ("blue", "square"))) == "shapes swapped between the colours"
     assert pair_outcome(caption, drawing(("red", "square"), ("blue", "cross"))) == "colours right, a shape wrong"
+    assert pair_outcome(caption, drawing(("red", "square"), ("blue", "square"))) == \
+        "colours right, both drawn as one of the shapes"
     assert pair_outcome(caption, drawing(("red", "square"), ("green", "circle"))) == "a colour wrong"
     assert pair_outcome(caption, drawing(("red", "square"), None)) == "1 shapes"
