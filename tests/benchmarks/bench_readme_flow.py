@@ -330,7 +330,8 @@ def run_flow(workdir: Path, *, steps=STEPS, seed: int | None = None, extra: dict
                     break
                 table.append(line)
     commit_at_end = commit_of(repo)
-    return {"commit": commit, "commit_at_end": commit_at_end if commit_at_end != commit else None, "workdir": str(workdir), "home": env.get("HOME", ""), "env": env_changes,
+    return {"commit": commit, "commit_at_end": commit_at_end if commit_at_end != commit else None,
+            "workdir": str(workdir), "home": env.get("HOME", ""), "env": env_changes,
             "machine": machine, "precision_override": precision_override, "seed": seed, "runs": runs,
             "val_image_losses": val_losses, "figures": figures(report, val_losses), "report": report,
             "evaluate_table": table, "checkpoint": final_checkpoint(workdir / DALLE_RUN)}

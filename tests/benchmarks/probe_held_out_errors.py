@@ -1,9 +1,13 @@
-"""What a tiny DALL-E draws for the colour/shape pairs it never saw: the colour and shape the caption checker reads
-in each sample of a held-out single-shape caption ("a big red triangle"), tallied.
+"""What a tiny DALL-E draws for the colour/shape pairs it never saw, and why its two-shape pictures fail.
 
-It also prints how many of evaluate's two-shape captions name a held-out pair, and so the best two-shape accuracy
-of a model that draws none of them right. A held-out pair drawn wrong is either the right shape in another colour, the right colour in another shape, both
-wrong, or no single readable shape at all; which one it is says what the model failed to combine.
+- Held-out single-shape captions ("a big red triangle", `--samples` each): the colour and shape the caption checker
+  reads in each sample, tallied: right, the right colour in another shape, the right shape in another colour, both
+  wrong, or no single readable shape; which one it is says what the model failed to combine.
+- Evaluate's two-shape captions, seen and held out (`--pair-samples` each): why each sample fails the checker (the
+  number of shapes, an unreadable shape, a colour, the shapes swapped between the colours, both drawn as one shape,
+  a third shape, the relation).
+- First, how many of evaluate's two-shape captions name a held-out pair, and so the best two-shape accuracy of a
+  model that draws none of them right.
 
     python tests/benchmarks/probe_held_out_errors.py --checkpoint runs/dalle_tiny/checkpoints [--samples 16]
 """
