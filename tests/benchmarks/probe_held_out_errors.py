@@ -29,10 +29,19 @@ from inference.evaluate import validation_captions  # noqa: E402
 from recipes.shapes import HELD_OUT_PAIRS, SIZES, check_caption, find_blobs, parse_caption  # noqa: E402
 
 
-def two_shape_ceiling(num_captions: int = 128) -> tuple[int, int, float]:
+NUM_CAPTIONS = 128  # inference.evaluate's --num-captions default
+
+
+def two_shape_captions(num_captions: int = NUM_CAPTIONS) -> list[tuple[str, bool]]:
+    """(caption, held out) of the two-shape captions among evaluate's first `num_captions` validation captions."""
+    return [(caption, held) for caption, held in validation_captions(num_captions)
+            if parse_caption(caption)["kind"] == "pair"]
+
+
+def two_shape_ceiling(num_captions: int = NUM_CAPTIONS) -> tuple[int, int, float]:
     """(two-shape captions, of them held out, the best two-shape accuracy of a model that draws every seen pair
     right and no held-out pair) over evaluate's first `num_captions` validation captions."""
-    pairs = [held for caption, held in validation_captions(num_captions) if parse_caption(caption)["kind"] == "pair"]
+    pairs = [held for _, held in two_shape_captions(num_captions)]
     return len(pairs), sum(pairs), (len(pairs) - sum(pairs)) / len(pairs)
 
 
@@ -85,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
                              "they fail (0: skip)")
     args = parser.parse_args(argv)
     pairs, held_out, ceiling = two_shape_ceiling()
-    print(f"evaluate's 128 captions: {pairs} two-shape, {held_out} of them held out: without held-out pairs drawn "
+    print(f"evaluate's {NUM_CAPTIONS} captions: {pairs} two-shape, {held_out} of them held out: without held-out pairs drawn "
           f"right, two-shape accuracy is at most {ceiling:.3f}")
     loaded = load_dalle(args.checkpoint)
     generator = torch.Generator().manual_seed(args.seed)
@@ -100,9 +109,9 @@ def main(argv: list[str] | None = None) -> None:
             for row in codes:
                 result = outcome(colour, shape, row)
                 outcomes[result] += 1
-                blobs = find_blobs(row)
                 if result in ("right colour, other shape", "right shape, other colour", "both wrong"):
-                    drawn[f"{colour} {shape} -> {blobs[0]['colour']} {blobs[0]['shape']}"] += 1
+                    blob = find_blobs(row)[0]
+                    drawn[f"{colour} {shape} -> {blob['colour']} {blob['shape']}"] += 1
             totals.update(outcomes)
             print(f"{caption:28s} " + ", ".join(f"{k}: {v}" for k, v in outcomes.most_common()), flush=True)
     n = sum(totals.values())
@@ -111,9 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         print("most drawn instead: " + ", ".join(f"{k} ({v})" for k, v in drawn.most_common(8)))
     if args.pair_samples:
         tallies = {True: Counter(), False: Counter()}
-        for caption, held in validation_captions(128):
-            if parse_caption(caption)["kind"] != "pair":
-                continue
+        for caption, held in two_shape_captions():
             codes = sample_codes(loaded.model, loaded.tokenizer([caption] * args.pair_samples), generator=generator)
             tallies[held].update(pair_outcome(caption, row) for row in codes)
         for held, tally in tallies.items():
