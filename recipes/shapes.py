@@ -127,18 +127,24 @@ def _pick_object(rng: np.random.Generator, split: str, force_held_out: bool) -> 
             return colour, shape
 
 
-def generate_example(index: int, split: str = "train", seed: int = 0) -> tuple[str, np.ndarray, dict]:
+def generate_example(index: int, split: str = "train", seed: int = 0,
+                     pair_fraction: float = 0.5) -> tuple[str, np.ndarray, dict]:
     """Deterministically draw example `index` of `split` ("train" or "val").
+
+    `pair_fraction` is the chance that the example shows two shapes (else one). At the default 0.5 the rows are
+    those of every earlier version; another value changes which rows are pairs, not how either kind is drawn.
 
     Returns (caption, codes int16 [16, 16], labels) where labels has "kind" ("single" or "pair"),
     "objects" (colour, shape, box per shape), "size" (single) or "relation" (pair) and "held_out".
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
+    if not 0.0 <= pair_fraction <= 1.0:
+        raise ValueError(f"pair_fraction must lie in [0, 1], got {pair_fraction}")
     rng = np.random.default_rng([seed, SPLITS[split], index])
     grid = np.zeros((GRID_SIZE, GRID_SIZE), dtype=np.int16)
     force_held_out = split == "val" and rng.random() < 0.5
-    if rng.random() < 0.5:
+    if rng.random() < 1.0 - pair_fraction:
         size_name = ["small", "big"][rng.integers(2)]
         size = SIZES[size_name]
         colour, shape = _pick_object(rng, split, force_held_out)
@@ -300,10 +306,12 @@ def write_shapes_dataset(
     num_val: int = 1000,
     rows_per_shard: int = 10000,
     seed: int = 0,
+    train_pair_fraction: float = 0.5,
 ) -> dict[str, list[str]]:
     """Write `num_train` training and `num_val` validation rows as Brotli parquet shards named
     `train-00000-of-000NN.parquet` / `validation-00000-of-000NN.parquet` in `out_dir`.
-    Returns {"train": [paths], "validation": [paths]}."""
+    `train_pair_fraction`: the share of two-shape rows in the training split (the validation split keeps 0.5, so
+    evaluations stay comparable). Returns {"train": [paths], "validation": [paths]}."""
     if rows_per_shard < 1:
         raise ValueError(f"rows_per_shard must be >= 1, got {rows_per_shard}")
     out_dir = Path(out_dir)
@@ -315,7 +323,8 @@ def write_shapes_dataset(
         for shard in range(num_shards):
             captions, codes = [], []
             for index in range(shard * rows_per_shard, min(num_rows, (shard + 1) * rows_per_shard)):
-                caption, grid, _ = generate_example(index, split, seed)
+                pair_fraction = train_pair_fraction if split == "train" else 0.5
+                caption, grid, _ = generate_example(index, split, seed, pair_fraction)
                 captions.append(caption)
                 codes.append(encode_code(grid))
             path = out_dir / f"{file_prefix}-{shard:05d}-of-{num_shards:05d}.parquet"
@@ -332,8 +341,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-val", type=int, default=1000, help="validation rows")
     parser.add_argument("--rows-per-shard", type=int, default=10000, help="rows per parquet file")
     parser.add_argument("--seed", type=int, default=0, help="generator seed (same seed, same rows)")
+    parser.add_argument("--train-pair-fraction", type=float, default=0.5, help="share of two-shape training rows")
     args = parser.parse_args(argv)
-    written = write_shapes_dataset(args.out, args.num_train, args.num_val, args.rows_per_shard, args.seed)
+    written = write_shapes_dataset(args.out, args.num_train, args.num_val, args.rows_per_shard, args.seed,
+                                   args.train_pair_fraction)
     for split, paths in written.items():
         print(f"{split}: {len(paths)} shard(s) in {args.out}")
 

@@ -212,6 +212,8 @@ class DALLEDataModule(LightningDataModule):
             per row count (default ~/.cache/lightning_swarm/shapes-v2).
         num_shapes_train: training rows of the embedded shapes dataset.
         num_shapes_val: validation rows of the embedded shapes dataset.
+        shapes_pair_fraction: share of two-shape rows in the embedded dataset's training split (its validation
+            split always holds half, so validation losses and evaluations compare across values).
         text_seq_len: text ids per caption (CLIP BPE, 0-padded, cut captions end with end-of-text).
         image_grid_size: codes per image row; each `code` must hold image_grid_size**2 codes.
         codebook_size: rows with a code outside [0, codebook_size) are skipped.
@@ -243,6 +245,7 @@ class DALLEDataModule(LightningDataModule):
         data_dir: str | None = None,
         num_shapes_train: int = 20000,
         num_shapes_val: int = 1000,
+        shapes_pair_fraction: float = 0.5,
         text_seq_len: int = 32,
         image_grid_size: int = 16,
         codebook_size: int = 8,
@@ -268,6 +271,8 @@ class DALLEDataModule(LightningDataModule):
                             ("codebook_size", codebook_size), ("batch_size", batch_size)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 0.0 <= shapes_pair_fraction <= 1.0:
+            raise ValueError(f"shapes_pair_fraction must lie in [0, 1], got {shapes_pair_fraction}")
         self.save_hyperparameters()
         if seed is None:
             seed = secrets.randbits(31)
@@ -294,9 +299,12 @@ class DALLEDataModule(LightningDataModule):
 
     @property
     def shapes_dir(self) -> Path:
-        """Folder of the embedded shapes shards; one per row count, so peers sharing a cache never clash."""
+        """Folder of the embedded shapes shards; one per row count and mix, so peers sharing a cache never clash."""
         root = Path(self.hparams.data_dir or SHAPES_CACHE_DIR).expanduser()
-        return root / f"rows-{self.hparams.num_shapes_train}-{self.hparams.num_shapes_val}"
+        name = f"rows-{self.hparams.num_shapes_train}-{self.hparams.num_shapes_val}"
+        if self.hparams.shapes_pair_fraction != 0.5:  # the default keeps the folder of earlier versions
+            name += f"-pairs{self.hparams.shapes_pair_fraction:g}"
+        return root / name
 
     def prepare_data(self) -> None:
         """Write the embedded shapes dataset on first use (only when no data source is configured)."""
@@ -312,7 +320,8 @@ class DALLEDataModule(LightningDataModule):
             return
         log.warning(f"writing the embedded shapes dataset to {self.shapes_dir}")
         # shards are written atomically and deterministically, so two peers doing this at once is harmless
-        write_shapes_dataset(self.shapes_dir, self.hparams.num_shapes_train, self.hparams.num_shapes_val)
+        write_shapes_dataset(self.shapes_dir, self.hparams.num_shapes_train, self.hparams.num_shapes_val,
+                             train_pair_fraction=self.hparams.shapes_pair_fraction)
         done.touch()
 
     def setup(self, stage: str | None = None) -> None:

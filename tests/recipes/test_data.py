@@ -188,6 +188,13 @@ def test_embedded_shapes_dataset_when_no_source(tmp_path):
     assert len(list(datamodule.val_dataloader())) == 1
     with pytest.raises(ValueError, match="image_grid_size=16"):
         DALLEDataModule(data_dir=str(tmp_path / "other"), image_grid_size=32).prepare_data()
+    more_pairs = DALLEDataModule(data_dir=str(tmp_path / "shapes"), num_shapes_train=64, num_shapes_val=16,
+                                 shapes_pair_fraction=0.75, seed=0)
+    assert more_pairs.shapes_dir == tmp_path / "shapes" / "rows-64-16-pairs0.75"  # its own folder beside the default
+    more_pairs.prepare_data()
+    assert (more_pairs.shapes_dir / "DONE").exists()
+    with pytest.raises(ValueError, match="shapes_pair_fraction"):
+        DALLEDataModule(shapes_pair_fraction=-0.1)
 
 
 def test_bad_configs_raise_clear_errors(tmp_path):

@@ -124,6 +124,22 @@ def test_held_out_pairs_only_in_validation():
     assert 0.3 < val_held_out / 1000 < 0.8
 
 
+def test_pair_fraction_changes_which_rows_are_pairs_not_how_they_are_drawn():
+    mixes = {f: [generate_example(i, "train", 0, f) for i in range(400)] for f in (0.0, 0.5, 0.8, 1.0)}
+    share = {f: sum(labels["kind"] == "pair" for _, _, labels in rows) / 400 for f, rows in mixes.items()}
+    assert share[0.0] == 0.0 and share[1.0] == 1.0 and 0.4 < share[0.5] < 0.6 and 0.72 < share[0.8] < 0.88
+    default = [generate_example(i, "train", 0) for i in range(400)]
+    assert [c for c, _, _ in default] == [c for c, _, _ in mixes[0.5]]
+    # a row that is of the same kind in two mixes is the same row: the mix decides the kind and nothing else
+    same_kind = [(a, b) for a, b in zip(mixes[0.5], mixes[0.8]) if a[2]["kind"] == b[2]["kind"]]
+    assert len(same_kind) > 200
+    for (caption, codes, _), (caption_too, codes_too, _) in same_kind:
+        assert caption == caption_too
+        np.testing.assert_array_equal(codes, codes_too)
+    with pytest.raises(ValueError, match="pair_fraction"):
+        generate_example(0, "train", 0, 1.5)
+
+
 def test_captions_fit_in_the_text_block():
     tokenizer = TextTokenizer(32)
     lengths = [len(tokenizer.encode(generate_example(i, "val")[0])) for i in range(300)]
@@ -143,6 +159,10 @@ def test_written_shards_have_the_laion_schema(tmp_path):
     caption, codes, _ = generate_example(100, "train", seed=0)
     assert first["caption"] == caption
     np.testing.assert_array_equal(decode_code(first["code"]).reshape(16, 16), codes)
+    more_pairs = write_shapes_dataset(tmp_path / "pairs", num_train=250, num_val=40, rows_per_shard=100, seed=0,
+                                      train_pair_fraction=1.0)
+    assert pq.read_table(more_pairs["validation"][0]).equals(pq.read_table(written["validation"][0]))
+    assert all(parse_caption(c)["kind"] == "pair" for c in pq.read_table(more_pairs["train"][0])["caption"].to_pylist())
     main(["--out", str(tmp_path / "cli"), "--num-train", "30", "--num-val", "10"])
     assert pq.read_table(tmp_path / "cli" / "validation-00000-of-00001.parquet").num_rows == 10
     assert_pages_carry_checksums(written["train"][1])
