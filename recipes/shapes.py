@@ -320,10 +320,10 @@ def write_shapes_dataset(
     for split, file_prefix, num_rows in (("train", "train", num_train), ("val", "validation", num_val)):
         num_shards = max(1, -(-num_rows // rows_per_shard))
         paths = []
+        pair_fraction = train_pair_fraction if split == "train" else 0.5
         for shard in range(num_shards):
             captions, codes = [], []
             for index in range(shard * rows_per_shard, min(num_rows, (shard + 1) * rows_per_shard)):
-                pair_fraction = train_pair_fraction if split == "train" else 0.5
                 caption, grid, _ = generate_example(index, split, seed, pair_fraction)
                 captions.append(caption)
                 codes.append(encode_code(grid))
