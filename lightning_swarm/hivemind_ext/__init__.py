@@ -12,7 +12,9 @@ Every private name used is listed in :data:`~lightning_swarm.hivemind_ext.privat
       ``offload_optimizer``, ``status_loglevel``, ``next_chunk_timeout``, ``auxiliary``.
     - ``Optimizer._maybe_schedule_gradient_averaging``: overridden, no pre-scheduled rounds while alone.
     - ``Optimizer._maybe_schedule_state_averaging`` and ``Optimizer.delay_before_state_averaging``: state rounds
-      get pre-scheduled in a swarm (hivemind 1.1.12 never does).
+      get pre-scheduled in a swarm (hivemind 1.1.12 never does); that delay and
+      ``TrainingStateAverager.delay_before_averaging`` are bounded, so one slow gradient round does not stop a peer
+      pre-scheduling state rounds for good.
     - ``ServicerBase._get_handle_name``: our averager subclasses serve RPCs under hivemind's class names.
     - ``Optimizer._average_gradients_and_load_into_optimizer``: extended, a peer whose synchronous gradient group
       was one epoch ahead takes its epoch (``TrainingStateAverager._update_scheduler`` for its LR, and its

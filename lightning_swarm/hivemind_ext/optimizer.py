@@ -75,6 +75,9 @@ log = logging.getLogger(__name__)
 DEFAULT_OVERLAP_MAX_PEERS = 2
 # a triggered state round still looking for a group after this many matchmaking windows is given up (LateRounds)
 STATE_SEARCH_WINDOWS = 2
+# the two measured delays before a state round (SwarmOptimizer._bound_state_round_delays) together at most this share
+# of matchmaking_time: the round is then pre-scheduled at least the rest of matchmaking_time before the epoch's end
+STATE_DELAY_SHARE = 0.5
 OVERLAP_OPTIONS = ("delay_optimizer_step", "delay_grad_averaging", "delay_state_averaging")
 
 
@@ -365,6 +368,7 @@ class SwarmOptimizer(CatchUpAfterDownload, hivemind.Optimizer):
     def _maybe_schedule_state_averaging(self) -> None:
         if self._alone:  # hivemind averages state only when num_peers > 1 anyway
             return
+        self._bound_state_round_delays()
         if self.delay_before_state_averaging.num_updates == 0:
             # hivemind 1.1.12 pre-schedules state averaging only once it has measured the delay between an epoch's
             # end and its state averaging step, and measures that delay only after a pre-scheduled round: so it
@@ -373,3 +377,33 @@ class SwarmOptimizer(CatchUpAfterDownload, hivemind.Optimizer):
             # The delay is a few milliseconds (the gradient round is started in between); seed it with zero.
             self.delay_before_state_averaging.update(task_size=1, interval=0.0)
         super()._maybe_schedule_state_averaging()
+
+    def _bound_state_round_delays(self) -> None:
+        """Keep the delays hivemind adds to an epoch's end to pre-schedule a state round below
+        ``STATE_DELAY_SHARE * matchmaking_time`` together (both scaled down alike when they are above).
+
+        hivemind 1.1.12 pre-schedules a state round once the tracker's estimate of the epoch's end, plus
+        ``delay_before_state_averaging`` (measured from the epoch's end to the state round's step: in synchronous
+        mode the whole gradient round) plus the state averager's ``delay_before_averaging`` (that step's start to its
+        all-reduce), is within ``matchmaking_time``. A state round is pre-scheduled before the epoch's end or not at
+        all (the transition starts one at once when none was; after it the peer is blocked in the gradient round, or
+        has handed the round to the background), and ``delay_before_state_averaging`` is measured only at epochs whose
+        round was pre-scheduled. One gradient round that waited out a dead groupmate (30 s, against a usual 1 s)
+        raised that average (alpha 0.1) above ``matchmaking_time`` and the peer never pre-scheduled again: its state
+        rounds began at the transition, after its groupmates' groups had formed, and found nobody for the rest of the
+        run (client-mode peers of an 8-peer swarm with churn, docs/notes/swarm-at-scale-measurements.md 2026-11-29,
+        whose parameters then drifted from the swarm's). Starting matchmaking early costs a group only some waiting
+        for its members' triggers, so the bound errs that way."""
+        delays = (self.delay_before_state_averaging, self.state_averager.delay_before_averaging)
+        total = sum(delay.ema_seconds_per_sample for delay in delays)
+        limit = STATE_DELAY_SHARE * self.matchmaking_time
+        if total <= limit:
+            return
+        for delay in delays:
+            delay.ema_seconds_per_sample *= limit / total
+        first = not self.__dict__.get("_state_delays_bounded")
+        self.__dict__["_state_delays_bounded"] = True
+        log.log(logging.INFO if first else logging.DEBUG,
+                f"a state round's measured delays ({total:.1f} s together) scaled down to {limit:.1f} s, so that the "
+                f"next one is pre-scheduled before the epoch's end (once a gradient round is slow, e.g. it waited out a "
+                f"peer that died)")

@@ -77,8 +77,11 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
     + _symbols("hivemind.optim.state_averager", "optimizer", [
         ("TrainingStateAverager._update_scheduler", "steps the LR schedule to the epoch a peer follows"),
     ])
+    + _symbols("hivemind.optim.state_averager", "optimizer", [
+        ("TrainingStateAverager.delay_before_averaging", "bounded with Optimizer.delay_before_state_averaging"),
+    ], instance=True)
     + _symbols(_OPTIMIZER, "optimizer", [
-        ("Optimizer.delay_before_state_averaging", "seeded with 0 s so that state rounds get pre-scheduled"),
+        ("Optimizer.delay_before_state_averaging", "seeded with 0 s and bounded: state rounds get pre-scheduled"),
         ("Optimizer.matchmaking_time", "argument of the state averager, as hivemind passes it"),
         ("Optimizer.allreduce_timeout", "argument of the state averager, as hivemind passes it"),
         ("Optimizer.shutdown_timeout", "argument of the state averager, as hivemind passes it"),

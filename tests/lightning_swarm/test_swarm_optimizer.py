@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import time
 
@@ -125,6 +126,42 @@ def test_lone_peer_does_not_preschedule_averaging(dht, optimizer_class, expect_s
         assert optimizer.local_epoch == 3
         assert bool(schedules) == expect_schedules
     finally:
+        optimizer.shutdown()
+
+
+@pytest.mark.parametrize("schedule, expect_round", [(SwarmOptimizer._maybe_schedule_state_averaging, True),
+                                                     (hivemind.Optimizer._maybe_schedule_state_averaging, False)],
+                         ids=["ours", "hivemind"])
+def test_one_slow_gradient_round_does_not_stop_state_rounds_being_prescheduled(dht, schedule, expect_round):
+    """hivemind measures the delay from an epoch's end to its state round only at epochs whose state round was
+    pre-scheduled. One gradient round that waited out a dead groupmate (30 s) raised it above matchmaking_time, and
+    the peer never pre-scheduled a state round again: its rounds began after its groupmates' groups had formed and
+    found nobody (client-mode peers of an 8-peer swarm with churn). SwarmOptimizer bounds the delays, so the round is
+    pre-scheduled before the epoch's end; usual delays are left as measured."""
+    model = torch.nn.Linear(8, 1)
+    optimizer = SwarmOptimizer(
+        dht=dht, run_id="slow_round", target_batch_size=64, batch_size_per_step=16,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1), params=model.parameters(), matchmaking_time=3.0,
+        averaging_timeout=10.0, verbose=False)
+    scheduled = []
+    schedule_step = optimizer.state_averager.schedule_step
+    optimizer.state_averager.schedule_step = lambda *args, **kwargs: scheduled.append(schedule_step(*args, **kwargs))
+    try:
+        delay = optimizer.delay_before_state_averaging
+        for interval in (0.0, 1.0, 1.0):  # the seed, then gradient rounds of a second
+            delay.update(task_size=1, interval=interval)
+        usual = delay.ema_seconds_per_sample
+        optimizer._bound_state_round_delays()
+        assert delay.ema_seconds_per_sample == usual, "a usual delay was changed"
+        delay.update(task_size=1, interval=30.0)  # a gradient round that waited out a dead groupmate
+        with optimizer.tracker.pause_updates():  # the swarm's progress as this test sets it: 2 peers, the end near
+            optimizer.tracker.global_progress = dataclasses.replace(
+                optimizer.tracker.global_progress, num_peers=2, eta_next_epoch=get_dht_time() + 0.5)
+            schedule(optimizer)
+        assert bool(scheduled) == expect_round, f"pre-scheduled: {scheduled}"
+    finally:
+        for control in scheduled:
+            control.cancel()
         optimizer.shutdown()
 
 
