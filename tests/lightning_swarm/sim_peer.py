@@ -114,6 +114,12 @@ def main(config_path: str) -> None:
     config = json.loads(Path(config_path).read_text())
     handler = OutcomeHandler()
     logging.getLogger("hivemind").addHandler(handler)
+    # lightning_swarm's own lines with times, as hivemind's, so that a run's logs can be read side by side
+    timed = logging.StreamHandler()
+    timed.setFormatter(logging.Formatter("%(asctime)s.%(msecs)03d [%(levelname)s] [%(name)s] %(message)s",
+                                         datefmt="%b %d %H:%M:%S"))
+    logging.getLogger("lightning_swarm").addHandler(timed)
+    logging.getLogger("lightning_swarm").setLevel(logging.INFO)
 
     import lightning.pytorch as pl
 

@@ -295,3 +295,22 @@ def test_a_member_that_leaves_the_group_at_the_all_reduce_costs_the_others_no_ve
         assert seconds and max(seconds) < timeout / 2, log[-3000:]
         assert f"no verification this round (['{leaver}'] failed during the round)" in log, log[-3000:]
         assert torch.isfinite(peer["averaged"]).all()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_client_mode_member_whose_client_mode_groupmate_left_waits_for_no_relay(tmp_path):
+    """Two reachable members and two in client mode; one client-mode member leaves the group as its all-reduce
+    starts (as one that died does). The reachable members see it fail and skip the check; the other client-mode
+    member, which can't see that, deposits its commitment with them to be relayed, and they answer at once instead
+    of holding the call for the leaver's record until the verification timeout. (Before, in bench_many_peers' goal
+    variant, every client-mode peer's gradient round took 21 s against the reachable peers' 10.6 s whenever a
+    client-mode groupmate died: docs/notes/swarm-at-scale-measurements.md, 2026-11-29.)"""
+    timeout = 6.0
+    honest, _, leaver, logs = run_round(
+        tmp_path, "leave", roles=[("none", False), ("none", False), ("none", True), ("leave", True)],
+        verification_timeout=timeout, liar_unfinished=True, next_chunk_timeout=3.0)
+    for peer, log in zip(honest, logs):
+        seconds = [float(line.split()[1]) for line in log.splitlines() if line.startswith("VERIFIED")]
+        assert seconds and max(seconds) < timeout / 2, log[-3000:]
+        assert torch.isfinite(peer["averaged"]).all()
