@@ -19,6 +19,10 @@ Per run (one row), over the steady window (from BENCH_WARMUP s after every peer 
 - wait s/step: per peer, seconds of its local steps beyond the simulated compute, per global step (mean of peers);
 - loss/ref: the peers' excess loss after the last global step of the window, over one process (computed here) that
   took SGD steps with the same number of samples per global step (the sum of what the peers reported as entered);
+  (spread): the largest minus the smallest peer's, over the reference's. With overlap (delay_optimizer_step) an
+  epoch's update lands during the next epoch, so a peer holds one update fewer, computed on partly stale parameters:
+  the ratio reads 1.25-1.32 at 8 peers whose parameters agree to 5 digits (docs/notes/swarm-at-scale-measurements.md,
+  2026-11-29); compare overlapped runs by their spread;
 - RSS/PSS GB per peer (its processes summed: trainer, DHT, averagers, p2pd; max over the run, mean of peers) and
   background cores per peer (everything but its training thread) beside its training thread's cores.
 
