@@ -420,7 +420,9 @@ class ReportMailbox:
                 if all((phase, sender) in mailbox.messages for sender in senders):
                     return
                 if loop.time() - asked < RELAY_MIN_WAIT * self.verification_timeout:
-                    return  # an honest relay holds the call until the records are in or its timeout: it dropped them
+                    # an honest relay holds the call until the records are in or its timeout (or, in the commitment
+                    # phase, until it skips the check itself: its empty commitment ends this phase here too)
+                    return
                 if loop.time() >= deadline:
                     return
 
