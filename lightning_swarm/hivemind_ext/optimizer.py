@@ -206,6 +206,7 @@ class SwarmOptimizer(CatchUpAfterDownload, hivemind.Optimizer):
         self.requested_overlap = {name: getattr(self, name) for name in OVERLAP_OPTIONS}  # as configured
         self.download_abandoned: Optional[str] = None  # why a state download was abandoned (see stop_waiting)
         self.overlapping = True  # whether the requested overlap options are in force
+        self.state_delays_bounded = False  # whether _bound_state_round_delays has scaled the delays down yet
 
     @property
     def stop_waiting(self) -> Optional[Callable[[], Optional[str]]]:
@@ -401,9 +402,8 @@ class SwarmOptimizer(CatchUpAfterDownload, hivemind.Optimizer):
             return
         for delay in delays:
             delay.ema_seconds_per_sample *= limit / total
-        first = not self.__dict__.get("_state_delays_bounded")
-        self.__dict__["_state_delays_bounded"] = True
-        log.log(logging.INFO if first else logging.DEBUG,
+        log.log(logging.DEBUG if self.state_delays_bounded else logging.INFO,
                 f"a state round's measured delays ({total:.1f} s together) scaled down to {limit:.1f} s, so that the "
                 f"next one is pre-scheduled before the epoch's end (once a gradient round is slow, e.g. it waited out a "
                 f"peer that died)")
+        self.state_delays_bounded = True
