@@ -95,7 +95,15 @@ Every private name used is listed in :data:`~lightning_swarm.hivemind_ext.privat
       one leaves the sender out of the rest of the round); it reads ``sender_peer_ids`` and
       ``parts_for_local_averaging``.
     - ``AllReduceRunner._get_peer_stub``: extended, a reducer's results are checked first (a malformed one keeps
-      the local values of its slice); it reads ``TensorPartContainer._input_parts_by_peer``.
+      the local values of its slice), and the stream is closed once all are in; it reads
+      ``TensorPartContainer._input_parts_by_peer``.
+    - ``AllReduceRunner.rpc_aggregate_part``: extended, the reducer's end stays open after its last result until
+      the sender closes it (``stream_ends``).
+``stream_ends`` (a handler stays open after its last message until the caller closes the stream, at most
+    ``STREAM_LINGER_SECONDS``: closed at once, p2pd lost messages in flight; used by ``part_checks`` and
+    ``RobustAveraging.rpc_join_group``)
+    - ``Matchmaking._request_join_group``: relied on, the follower closes its stream once it has the leader's last
+      answer (a test checks the body still does).
 ``finite_state`` (a downloaded state with NaN/Inf is refused): public API only (``load_state_from_peers``).
 ``lifetime`` (the DHT's and the averagers' processes, and p2pd, die with the trainer, also on SIGKILL; a DHT process
     that dies first fails its trainer's calls): ``run`` of hivemind's ``multiprocessing.Process`` subclasses,

@@ -12,10 +12,14 @@ buffer of exactly the length its header gives) before hivemind decodes it:
 - a reducer's result that fails is not applied: that reducer's slice keeps this peer's local values, as hivemind does
   when a reducer fails, and the reducer is named in one log line.
 
+The stream of a reducer's results is closed by the sender once every result is in, and the reducer keeps it open
+until then (:mod:`~lightning_swarm.hivemind_ext.stream_ends`): closed by the reducer first, p2pd dropped results
+still in flight.
+
 :class:`CheckedPartStreams` is a mixin for hivemind's ``AllReduceRunner`` (put it first in the bases). It overrides
-``AllReduceRunner._accumulate_parts_streaming`` (where a sender's parts are decoded) and wraps the stub that
-``AllReduceRunner._get_peer_stub`` returns (the stream of a reducer's results): both private names are listed in
-:data:`lightning_swarm.hivemind_ext.private_api.PRIVATE_SYMBOLS`.
+``AllReduceRunner._accumulate_parts_streaming`` (where a sender's parts are decoded) and ``rpc_aggregate_part`` (the
+reducer's end of a sender's stream), and wraps the stub that ``AllReduceRunner._get_peer_stub`` returns (the stream
+of a reducer's results): these names are listed in :data:`lightning_swarm.hivemind_ext.private_api.PRIVATE_SYMBOLS`.
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ import logging
 from typing import AsyncIterator, Callable, List, Sequence, Tuple
 
 import torch
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 
+from lightning_swarm.hivemind_ext.stream_ends import held_open
 from lightning_swarm.wire_checks import MalformedTensor, check_tensor_message
 
 log = logging.getLogger(__name__)
@@ -40,7 +45,7 @@ class PartRefused(Exception):
 
 async def checked_part_messages(stream: AsyncIterator[averaging_pb2.AveragingData], expected: Expected,
                                 checked_codes: Sequence[int], on_refused: Callable[[str], None],
-                                ) -> AsyncIterator[averaging_pb2.AveragingData]:
+                                close_after_last: bool = False) -> AsyncIterator[averaging_pb2.AveragingData]:
     """Pass on a groupmate's messages; each one with a code in ``checked_codes`` must carry a tensor part that fits
     the next of ``expected`` (this peer's own parts: shape, dtype). Messages with other codes pass unchanged (hivemind
     handles them: a reducer's error code ends its stream).
@@ -51,6 +56,8 @@ async def checked_part_messages(stream: AsyncIterator[averaging_pb2.AveragingDat
         checked_codes: the message codes that carry a part (a sender's first part says PART_FOR_AVERAGING, the next
             ones NO_CODE; a reducer's results AVERAGED_PART).
         on_refused: called once with the reason when a message is refused.
+        close_after_last: end the stream (and close it) once every part in ``expected`` has come (a reducer's
+            results: the reducer keeps its end open until this one closes, :mod:`.stream_ends`).
 
     Raises:
         PartRefused: at the first malformed message (or one part too many); nothing of it is decoded.
@@ -71,6 +78,11 @@ async def checked_part_messages(stream: AsyncIterator[averaging_pb2.AveragingDat
                 raise PartRefused(reason) from None
             index += 1
         yield message
+        if close_after_last and index == len(expected):
+            # every result is in: this end closes the stream (the reducer waits for it: :mod:`.stream_ends`)
+            if hasattr(stream, "aclose"):
+                await stream.aclose()
+            return
 
 
 class _CheckedResultsStub:
@@ -81,7 +93,8 @@ class _CheckedResultsStub:
 
     async def rpc_aggregate_part(self, requests, *args, **kwargs):
         results = await self._stub.rpc_aggregate_part(requests, *args, **kwargs)
-        return checked_part_messages(results, self._expected, (averaging_pb2.AVERAGED_PART,), self._on_refused)
+        return checked_part_messages(results, self._expected, (averaging_pb2.AVERAGED_PART,), self._on_refused,
+                                     close_after_last=True)
 
 
 class CheckedPartStreams:
@@ -95,6 +108,12 @@ class CheckedPartStreams:
             lambda reason: log.warning(f"[lightning_swarm] averaging: refused sender {sender} for the rest of the "
                                        f"round: malformed {reason}"))
         async for message in super()._accumulate_parts_streaming(checked, sender_index):
+            yield message
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        # kept open after the last result until the sender closes its end (it does once every result is in)
+        async for message in held_open(super().rpc_aggregate_part(stream, context)):
             yield message
 
     def _get_peer_stub(self, peer: PeerID):

@@ -198,6 +198,10 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
     + _symbols("hivemind.averaging.allreduce", "part_checks", [
         ("AllReduceRunner._accumulate_parts_streaming", "extended: a sender's parts are checked before decoding"),
         ("AllReduceRunner._get_peer_stub", "extended: a reducer's results are checked before decoding"),
+        ("AllReduceRunner.rpc_aggregate_part", "extended: the reducer's end stays open until the sender closes"),
+    ])
+    + _symbols(_MATCHMAKING, "stream_ends", [
+        ("Matchmaking._request_join_group", "relied on: the follower closes its stream after the leader's last answer"),
     ])
     + _symbols("hivemind.averaging.partition", "part_checks", [
         ("TensorPartContainer._input_parts_by_peer", "the parts sent to a reducer: its results must match them"),

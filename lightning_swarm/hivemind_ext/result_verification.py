@@ -402,7 +402,9 @@ class ReportMailbox:
                     log.debug(f"could not relay through {peer}: {e!r}")
                     return
                 if answer.group_id != message.group_id or answer.weight != message.weight:
-                    return  # it closed the round's mailbox (or never had it): asking again changes nothing
+                    # it closed the round's mailbox (or never had it): asking again changes nothing
+                    log.debug(f"relay {peer} has no mailbox for phase {phase} of this round: stopped asking it")
+                    return
                 try:
                     records = relayed.unpack_records(bytes(answer.peer_id), len(senders), limit)
                     for item in records:
@@ -417,13 +419,17 @@ class ReportMailbox:
                     return
                 except Exception as e:  # a signed message protobuf can't parse: its signer's doing
                     log.warning(f"[lightning_swarm] averaging: refused a relayed verification message: {e!r}")
-                if all((phase, sender) in mailbox.messages for sender in senders):
+                missing = [str(sender) for sender in senders if (phase, sender) not in mailbox.messages]
+                if not missing:
                     return
                 if loop.time() - asked < RELAY_MIN_WAIT * self.verification_timeout:
                     # an honest relay holds the call until the records are in or its timeout (or, in the commitment
                     # phase, until it skips the check itself: its empty commitment ends this phase here too)
+                    log.debug(f"relay {peer} answered phase {phase} after {loop.time() - asked:.2f} s without "
+                              f"{missing}: stopped asking it")
                     return
                 if loop.time() >= deadline:
+                    log.debug(f"relay {peer}: phase {phase} still without {missing} at this exchange's deadline")
                     return
 
         await asyncio.gather(*(relay(peer) for peer in relays))

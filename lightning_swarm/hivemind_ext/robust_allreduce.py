@@ -32,7 +32,7 @@ import os
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from collections import defaultdict
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import AsyncIterator, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
@@ -40,7 +40,7 @@ from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartContainer, TensorPartReducer
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
@@ -58,6 +58,7 @@ from lightning_swarm import reducer_checks
 from lightning_swarm.hivemind_ext.part_checks import CheckedPartStreams
 from lightning_swarm.hivemind_ext.result_records import ResultRecords, StatedResults
 from lightning_swarm.hivemind_ext.result_verification import ReportMailbox, zero_slices
+from lightning_swarm.hivemind_ext.stream_ends import held_open
 from lightning_swarm.small_rounds import lone_sender_refusal, two_sender_records
 
 log = logging.getLogger(__name__)
@@ -431,6 +432,13 @@ class RobustAveraging(ReportMailbox):
         self.min_alignment = centered_clip_min_alignment if aggregation == "centered_clip" else None
         self.sender_trust = SenderTrust()
         super().__init__(*args, **kwargs)  # may start the averager's process: the options must be set before
+
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
+                             ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        # held open after the leader's last answer (BEGIN_ALLREDUCE) until the follower closes the stream: closed
+        # at once, the answer was lost in flight on loaded machines and the group formed on the leader's side only
+        async for message in held_open(super().rpc_join_group(request, context)):
+            yield message
 
     async def sender_weight_bounds(self, group_info: GroupInfo) -> Optional[Dict[PeerID, float]]:
         """The largest weight accepted from each peer of the group (None: no bound). Runs in the averager's

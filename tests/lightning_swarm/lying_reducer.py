@@ -209,6 +209,8 @@ def main() -> None:
     # why a groupmate's results did not come (hivemind logs it at DEBUG only): a pre-check saw a reducer's results
     # missing 0.1 s into a round ("received 68.3% results"), so the round went unchecked
     logging.getLogger("hivemind.averaging.allreduce").setLevel(logging.DEBUG)
+    # who joined whose group, and which requests timed out (CI once saw the reachable peer's round never end)
+    logging.getLogger("hivemind.averaging.matchmaking").setLevel(logging.DEBUG)
 
     from hivemind.averaging import DecentralizedAverager
     from hivemind.compression import NoCompression

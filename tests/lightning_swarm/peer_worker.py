@@ -279,5 +279,12 @@ if __name__ == "__main__":
     if os.environ.get("PEER_EPOCH_ROUNDS") == "0":  # benchmarks: one group key for all epochs, no bound, as before
         from lightning_swarm.hivemind_ext.epoch_rounds import RoundEpochs
         RoundEpochs.enabled = False
+    for name in filter(None, os.environ.get("PEER_DEBUG_LOGGERS", "").split(",")):  # tests that keep the why
+        import logging
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logging.getLogger(name).addHandler(handler)
+        logging.getLogger(name).setLevel(logging.DEBUG)
+        logging.getLogger(name).propagate = False
     wait_for_initial_peers()
     LightningCLI(TinyRegression, RegressionData, save_config_callback=None, seed_everything_default=0)

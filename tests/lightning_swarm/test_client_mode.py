@@ -21,7 +21,7 @@ def strategy_args(run_id: str, target_batch_size: int, **overrides):
     return args
 
 
-def test_client_mode_peers_train_with_a_reachable_one(tmp_path, peers):
+def test_client_mode_peers_train_with_a_reachable_one(tmp_path, peers, monkeypatch):
     """One reachable peer and two client-mode peers (the README's setting for peers behind NAT) pass global epochs
     together: no client-mode peer dies at its first global step (hivemind 1.1.12's inverted ``client_mode``
     derivation made it set a state sharing priority its averagers refuse), all three reach epoch 3, the client-mode
@@ -30,6 +30,8 @@ def test_client_mode_peers_train_with_a_reachable_one(tmp_path, peers):
 (the client-mode peers' verification messages relayed by the reachable peer)."""
     recorder = {"stop_at_epoch": 3, "max_seconds": 120, "barrier_dir": str(tmp_path / "barrier"), "barrier_count": 3}
     common = dict(model={"step_delay": 0.02}, recorder=recorder)
+    # why a client-mode peer stopped asking a relay (pre-checks saw both clients lack each other's relayed report)
+    monkeypatch.setenv("PEER_DEBUG_LOGGERS", "lightning_swarm.hivemind_ext.result_verification")
     reachable = Peer(tmp_path, "reachable", strategy_args("nat", 48), data={"batch_size": 4}, **common)
     peers.append(reachable)
     clients = []

@@ -90,6 +90,17 @@ def test_progress_key_is_hivemind_trackers():
     assert progress_key("run") == "run_progress"
 
 
+def test_a_follower_closes_its_join_stream_once_answered():
+    """stream_ends holds a leader's join handler open until the follower closes the stream: hivemind's follower
+    must close it (in ``finally``) once it has the leader's last answer, or every join would cost the linger."""
+    from hivemind.averaging.matchmaking import Matchmaking
+
+    source = inspect.getsource(Matchmaking._request_join_group)
+    closing = source[source.index("finally:"):]
+    assert "await stream.aclose()" in closing
+    assert "return await self.follower_assemble_group(leader, message)" in source
+
+
 def test_unsupported_hivemind_version_is_a_clear_error(monkeypatch):
     monkeypatch.delenv(IGNORE_VERSION_ENV, raising=False)
     assert check_hivemind_version("1.1.12") == "1.1.12"

@@ -34,12 +34,13 @@ def _done_deadline(rounds: int) -> float:
 
 def run_round(tmp_path: Path, lie: str, verify: bool = True, clients: int = 0, auxiliary: bool = False,
               rounds: int = 1, roles: list[tuple[str, bool]] | None = None, verification_timeout: float = 10.0,
-              liar_unfinished: bool = False, next_chunk_timeout: float | None = None):
+              liar_unfinished: bool = False, next_chunk_timeout: float = 30.0):
     """Start 2 honest peers and a liar (``clients``: how many of the second honest peer and the liar are in client
     mode; ``auxiliary``: the liar sends no part of its own), or the peers ``roles`` names ((lie, client mode) each;
     the first one is reachable and the liar is the last one named with a lie); return (honest peers' (input,
     averaged), the liar's input, the liar's peer id, the honest peers' logs). ``liar_unfinished``: the liar (one that
-    dies, or one that never finishes its round) is not waited for and saves nothing (its input is then None)."""
+    dies, or one that never finishes its round) is not waited for and saves nothing (its input is then None);
+    ``next_chunk_timeout``: seconds a reducer waits for a sender's next part."""
     extra = [] if verify else ["--no-verify"]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     if roles is None:
@@ -51,7 +52,9 @@ def run_round(tmp_path: Path, lie: str, verify: bool = True, clients: int = 0, a
                    "--lie", role, "--group-size", str(len(roles))] + extra
         command += (["--initial-peer", initial] if initial else [])
         command += (["--client-mode"] if client else []) + (["--auxiliary"] if auxiliary else [])
-        command += ["--next-chunk-timeout", str(next_chunk_timeout)] if next_chunk_timeout is not None else []
+        # bounded, as the strategy's averagers always are: without, a part that never came (CI once) hung the
+        # reducer until the test's deadline, and its round's logs never got written
+        command += ["--next-chunk-timeout", str(next_chunk_timeout)]
         command += ["--rounds", str(rounds), "--verification-timeout", str(verification_timeout),
                     "--hang-timeout", str(_done_deadline(rounds) - 20)]  # a hung peer's stacks reach the log
         # its output read by a thread against deadlines: a hung peer, or a child of one holding its pipe, can't
@@ -67,7 +70,11 @@ def run_round(tmp_path: Path, lie: str, verify: bool = True, clients: int = 0, a
         deadline = time.monotonic() + _done_deadline(rounds)
         living = [peer for index, peer in enumerate(peers) if not (liar_unfinished and index == liar)]
         for peer in living:  # each peer prints DONE after its rounds (a hung one dumps its stacks and exits)
-            peer.wait_line("DONE", deadline - time.monotonic())
+            try:
+                peer.wait_line("DONE", deadline - time.monotonic())
+            except AssertionError as e:  # with every peer's last lines: one peer's alone did not say why (CI)
+                tails = [f"--- peer {index}:\n" + "\n".join(other.lines[-40:]) for index, other in enumerate(peers)]
+                raise AssertionError("\n".join([str(e), *tails])) from None
         for peer in living:
             peer.proc.stdin.close()  # each peer leaves once all are done
         for peer in living:

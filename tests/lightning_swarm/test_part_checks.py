@@ -170,3 +170,60 @@ def test_a_reducer_result_of_the_wrong_size_is_not_applied(caplog):
 
 async def _drain(replies) -> list:
     return [reply async for reply in replies]
+
+
+@pytest.mark.timeout(120)
+def test_a_client_mode_senders_stream_is_closed_by_the_sender_once_its_results_are_in():
+    """A reducer's results to a client-mode sender come in one burst at the end; closed by the reducer first, p2pd
+    dropped the last of them in flight on a loaded machine (about 1 of 40 fresh 3-peer rounds). Two real runners on
+    two real p2p daemons: the sender gets every result, closes the stream itself, and the reducer's end of it was
+    still open then (its handler ended by the sender's close, not by its own return nor at its linger bound)."""
+    from lightning_swarm.hivemind_ext.stream_ends import STREAM_LINGER_SECONDS
+
+    mine, theirs = _tensor(0), _tensor(1)
+    fractions = (1.0, 0.0)  # this peer reduces everything; the other one is a client-mode sender
+
+    async def main():
+        reducer_p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        sender_p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                      initial_peers=await reducer_p2p.get_visible_maddrs())
+        try:
+            peers = [reducer_p2p.peer_id, sender_p2p.peer_id]
+            runners = [RobustAllReduceRunner(
+                p2p=p2p, servicer_type=DecentralizedAverager, prefix=PREFIX, tensors=[tensor.clone()],
+                group_id=GROUP, ordered_peer_ids=peers, peer_fractions=fractions, part_size_bytes=PART_BYTES)
+                for p2p, tensor in ((reducer_p2p, mine), (sender_p2p, theirs))]
+            handler_end = {}
+
+            async def reducer_handler(requests, context):  # as the averager's p2p server routes it
+                loop = asyncio.get_running_loop()
+                try:
+                    async for reply in runners[0].rpc_aggregate_part(requests, context):
+                        handler_end["last_result"] = loop.time()
+                        yield reply
+                    handler_end["how"] = "returned"
+                except asyncio.CancelledError:  # hivemind's p2p layer ends a handler whose caller closed
+                    handler_end["how"] = "closed by the sender"
+                    raise
+                finally:
+                    handler_end["at"] = loop.time()
+
+            handle = DecentralizedAverager._get_handle_name(PREFIX, "rpc_aggregate_part")
+            await reducer_p2p.add_protobuf_handler(handle, reducer_handler, averaging_pb2.AveragingData,
+                                                   stream_input=True, stream_output=True)
+            deltas = await asyncio.wait_for(asyncio.gather(*(_drain(runner) for runner in runners)), 30)
+            for _ in range(100):  # the sender's close reaches the reducer's handler through both daemons
+                if "at" in handler_end:
+                    break
+                await asyncio.sleep(0.05)
+            return [d[0] for d in deltas], handler_end
+        finally:
+            await sender_p2p.shutdown()
+            await reducer_p2p.shutdown()
+
+    (reducer_delta, sender_delta), handler_end = asyncio.run(main())
+    average = (mine + theirs) / 2
+    torch.testing.assert_close(mine + reducer_delta, average, rtol=0, atol=1e-5)
+    torch.testing.assert_close(theirs + sender_delta, average, rtol=0, atol=1e-5)  # every result came
+    assert handler_end.get("how") == "closed by the sender", handler_end
+    assert handler_end["at"] - handler_end["last_result"] < STREAM_LINGER_SECONDS / 2, handler_end
