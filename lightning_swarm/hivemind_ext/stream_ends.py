@@ -3,7 +3,7 @@
 hivemind 1.1.12's p2p layer closes a stream handler's socket as soon as the handler returns, while the caller may
 still be reading; p2pd (go-libp2p-daemon's ``doStreamPipe``) then closes the libp2p stream, and resets it when its
 other copy fails, and what the caller's daemon had not yet handed to the caller is lost. On a loaded machine that
-cut off the last messages of a stream in about 1 of 40 fresh 3-peer rounds (two swarms of 3 beside a busy core):
+cut off the last messages of a stream in 1-2 of 114 fresh 3-peer rounds (three swarms at once on 2 cores), each:
 
 - a leader's BEGIN_ALLREDUCE (the last message of ``rpc_join_group``): the follower read the end of the stream, gave
   up on that leader and looked for another while the leader counted it in; the leader's reducer then waited

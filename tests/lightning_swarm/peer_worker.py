@@ -8,6 +8,7 @@ reached each global epoch) and `events.jsonl` (epoch, lr, peers, local step, sam
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -280,7 +281,6 @@ if __name__ == "__main__":
         from lightning_swarm.hivemind_ext.epoch_rounds import RoundEpochs
         RoundEpochs.enabled = False
     for name in filter(None, os.environ.get("PEER_DEBUG_LOGGERS", "").split(",")):  # tests that keep the why
-        import logging
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         logging.getLogger(name).addHandler(handler)

@@ -175,7 +175,7 @@ async def _drain(replies) -> list:
 @pytest.mark.timeout(120)
 def test_a_client_mode_senders_stream_is_closed_by_the_sender_once_its_results_are_in():
     """A reducer's results to a client-mode sender come in one burst at the end; closed by the reducer first, p2pd
-    dropped the last of them in flight on a loaded machine (about 1 of 40 fresh 3-peer rounds). Two real runners on
+    dropped the last of them in flight on a loaded machine (2 of 114 fresh 3-peer rounds). Two real runners on
     two real p2p daemons: the sender gets every result, closes the stream itself, and the reducer's end of it was
     still open then (its handler ended by the sender's close, not by its own return nor at its linger bound)."""
     from lightning_swarm.hivemind_ext.stream_ends import STREAM_LINGER_SECONDS
