@@ -16,9 +16,10 @@ hivemind 1.1.12's ``DecentralizedAverager._load_state_from_peers`` streams the s
 (hivemind.Optimizer: ``load_state_timeout``; a stall, not a total), every tensor must arrive with the number of
 parts its first part announced, the tensors must be as many as this peer's state has, with its shapes and dtypes
 (checked on each tensor's first part, before its bytes are kept: the download never buffers more than this peer's
-own state takes on the wire), progress (MB, MB/s) is logged every few seconds, failed donors are retried with a
-backoff, and if all attempts fail the host gets an exception, so hivemind.Optimizer logs it and starts over. Nothing
-partial is ever deserialised or loaded.
+own state takes on the wire), progress (MB, MB/s) is logged every few seconds, the stream is closed once the last
+announced part is in (the donor holds it open until then: :mod:`~lightning_swarm.hivemind_ext.stream_ends`), failed
+donors are retried with a backoff, and if all attempts fail the host gets an exception, so hivemind.Optimizer logs
+it and starts over. Nothing partial is ever deserialised or loaded.
 """
 
 from __future__ import annotations
@@ -132,6 +133,12 @@ class _TensorAssembler:
         except MalformedTensor as e:
             raise StateDownloadError(f"tensor {index}: {e}") from None
         self._header, self._buffer, self._parts = header, bytearray(), 1
+
+    @property
+    def last_part_in(self) -> bool:
+        """Whether every part of the local state's last tensor came (the donor has nothing more to send)."""
+        return (self._header is not None and self._parts == self._header.chunks
+                and len(self.tensors) == len(self.expected_shapes) - 1)
 
     def close(self) -> List[torch.Tensor]:
         if self._header is not None:
@@ -251,27 +258,33 @@ class VerifiedStateDownload(DecentralizedAverager):
         start = last_log = time.monotonic()
         stream = await asyncio.wait_for(stub.rpc_download_state(await self._state_download_request()), chunk_timeout)
         iterator = stream.__aiter__()
-        while True:
-            try:
-                message = await asyncio.wait_for(iterator.__anext__(), chunk_timeout)
-            except StopAsyncIteration:
-                break
-            except asyncio.TimeoutError:
-                raise StateDownloadError(
-                    f"no data for {chunk_timeout:.0f} s after {assembler.bytes / 1e6:.1f} MB "
-                    f"({len(assembler.tensors)} tensors)"
-                ) from None
-            if message.metadata:
-                if metadata is not None or len(message.metadata) > MAX_METADATA_BYTES:
-                    raise StateDownloadError(f"metadata of {len(message.metadata)} bytes (at most "
-                                             f"{MAX_METADATA_BYTES}, once)")
-                metadata = self.serializer.loads(message.metadata)
-            assembler.add(message.tensor_part)
-            now = time.monotonic()
-            if now - last_log >= PROGRESS_LOG_INTERVAL:
-                last_log = now
-                logger.info(f"Downloading state from {peer}: {assembler.bytes / 1e6:.1f} MB, "
-                            f"{len(assembler.tensors)} tensors done, {assembler.bytes / 1e6 / (now - start):.2f} MB/s")
+        try:
+            while True:
+                try:
+                    message = await asyncio.wait_for(iterator.__anext__(), chunk_timeout)
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    raise StateDownloadError(
+                        f"no data for {chunk_timeout:.0f} s after {assembler.bytes / 1e6:.1f} MB "
+                        f"({len(assembler.tensors)} tensors)"
+                    ) from None
+                if message.metadata:
+                    if metadata is not None or len(message.metadata) > MAX_METADATA_BYTES:
+                        raise StateDownloadError(f"metadata of {len(message.metadata)} bytes (at most "
+                                                 f"{MAX_METADATA_BYTES}, once)")
+                    metadata = self.serializer.loads(message.metadata)
+                assembler.add(message.tensor_part)
+                if metadata is not None and assembler.last_part_in:
+                    break  # all there: close the stream, which ends the donor's hold (stream_ends)
+                now = time.monotonic()
+                if now - last_log >= PROGRESS_LOG_INTERVAL:
+                    last_log = now
+                    logger.info(f"Downloading state from {peer}: {assembler.bytes / 1e6:.1f} MB, "
+                                f"{len(assembler.tensors)} tensors done, "
+                                f"{assembler.bytes / 1e6 / (now - start):.2f} MB/s")
+        finally:
+            await iterator.aclose()
         tensors = assembler.close()
         if not metadata:
             raise StateDownloadError("the donor sent no metadata (it refused to share its state)")

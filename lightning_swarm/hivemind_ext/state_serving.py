@@ -14,8 +14,10 @@ statistics) to anyone who reaches the peer, as often and as many times at once a
   with an authority, a peer id otherwise); a requester that takes no part for ``state_download_stall_timeout``
   seconds loses its place (its stream ends when it reads again).
 
-A refused request gets an empty stream, as hivemind answers when state sharing is off; the requester moves on to its
-next donor. Each refusal is logged once a minute with the requester's id.
+A served stream stays open after its last part until the requester closes it, at most
+:data:`~lightning_swarm.hivemind_ext.stream_ends.STREAM_LINGER_SECONDS` (otherwise its last parts can be lost at
+the close: :mod:`~lightning_swarm.hivemind_ext.stream_ends`). A refused request gets an empty stream, as hivemind
+answers when state sharing is off; the requester moves on to its next donor. Each refusal is logged once a minute with the requester's id.
 
 Private names used here are listed in :data:`lightning_swarm.hivemind_ext.private_api.PRIVATE_SYMBOLS`.
 """
@@ -32,6 +34,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 
 from lightning_swarm.hivemind_ext.credentials import CredentialsError, PeerCredentials
+from lightning_swarm.hivemind_ext.stream_ends import held_open
 from lightning_swarm.logs import RateLimitedLog
 
 logger = logging.getLogger(__name__)
@@ -151,6 +154,18 @@ class GuardedStateServing:
         download = None if requester is None else self._take_place(requester, context)
         if download is None:
             return  # an empty stream: the requester tries its next donor
+
+        def log_end(closed_by_requester: bool, seconds: float) -> None:
+            logger.debug(f"[lightning_swarm] state stream to {requester}: "
+                         + (f"closed by the requester {seconds:.2f} s after its last part" if closed_by_requester
+                            else f"the requester did not close it within {seconds:.1f} s of its last part"))
+
+        # the stream stays open after its last part until the requester closes it (stream_ends): a place is freed first
+        async for message in held_open(self._served_state(request, context, requester, download), on_end=log_end):
+            yield message
+
+    async def _served_state(self, request: averaging_pb2.JoinRequest, context: P2PContext, requester: str,
+                            download: _Download) -> AsyncIterator[averaging_pb2.DownloadData]:
         try:
             async for message in super().rpc_download_state(request, context):
                 yield message

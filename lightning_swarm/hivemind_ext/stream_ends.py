@@ -13,7 +13,9 @@ cut off the last messages of a stream in 1-2 of 114 fresh 3-peer rounds (three s
 
 The asking side closes the stream once it has what it waits for: hivemind's follower right after BEGIN_ALLREDUCE
 (``Matchmaking._request_join_group`` closes its stream in ``finally``), this project's senders once every result is
-in (:mod:`~lightning_swarm.hivemind_ext.part_checks`). :func:`held_open` keeps the answering side's handler alive
+in (:mod:`~lightning_swarm.hivemind_ext.part_checks`), a newcomer once the last part its donor announced is in
+(:mod:`~lightning_swarm.hivemind_ext.state_download`; the donor's stream ended the same way: "tensor 0 truncated: the
+stream ended after 432 of 580 parts"). :func:`held_open` keeps the answering side's handler alive
 after its last message until then: the p2p layer ends it as soon as the caller closes, at most
 :data:`STREAM_LINGER_SECONDS` later (what a caller that reads until the end waits more).
 """
@@ -21,7 +23,8 @@ after its last message until then: the p2p layer ends it as soon as the caller c
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, TypeVar
+import time
+from typing import AsyncIterator, Callable, Optional, TypeVar
 
 # seconds a handler stays open after its last message, waiting for the caller to close the stream
 STREAM_LINGER_SECONDS = 2.0
@@ -29,13 +32,29 @@ STREAM_LINGER_SECONDS = 2.0
 Message = TypeVar("Message")
 
 
-async def held_open(messages: AsyncIterator[Message]) -> AsyncIterator[Message]:
+async def held_open(messages: AsyncIterator[Message],
+                    on_end: Optional[Callable[[bool, float], None]] = None) -> AsyncIterator[Message]:
     """Pass on a stream handler's ``messages``; after the last one, stay open until the caller closes the stream (the
     p2p layer then cancels this generator) or :data:`STREAM_LINGER_SECONDS` pass. Nothing is held after a handler
-    that sent nothing (the caller gets its end at once)."""
+    that sent nothing (the caller gets its end at once).
+
+    Args:
+        messages: what the handler sends.
+        on_end: called once the hold ends, with whether the caller closed the stream (False: the hold ran out) and the
+            seconds since the last message.
+    """
     sent = False
     async for message in messages:
         sent = True
         yield message
-    if sent:
+    if not sent:
+        return
+    last_sent = time.monotonic()
+    try:
         await asyncio.sleep(STREAM_LINGER_SECONDS)
+    except asyncio.CancelledError:
+        if on_end is not None:
+            on_end(True, time.monotonic() - last_sent)
+        raise
+    if on_end is not None:
+        on_end(False, time.monotonic() - last_sent)

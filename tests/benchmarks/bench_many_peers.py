@@ -76,7 +76,8 @@ LINKS = os.environ.get("BENCH_LINKS")  # a netns_harness profile name, or None: 
 PEER_GB = 0.95  # measured PSS of one peer (trainer, DHT, averagers, p2pd) at 1M parameters
 MEMORY_WAIT = float(os.environ.get("BENCH_MEMORY_WAIT", "600"))  # seconds to wait for free memory before a run
 PARTIAL = re.compile(r"(Reducer|Averaging): received \d")
-MODEL = dict(num_params=int(MPARAMS * 1e6), num_tensors=4, step_seconds=0.5)
+STEP_SECONDS = float(os.environ.get("BENCH_STEP_SECONDS", "0.5"))  # a simulated local step (the 1b recipe's: seconds)
+MODEL = dict(num_params=int(MPARAMS * 1e6), num_tensors=4, step_seconds=STEP_SECONDS)
 
 
 def _kinds(variant: str) -> set:
@@ -226,7 +227,7 @@ def row(r: dict) -> str:
 def main() -> None:
     runs = [(n, v) for n in PEER_COUNTS for v in VARIANTS]
     runs += [(max(PEER_COUNTS), v) for v in BIG_VARIANTS if v and v not in VARIANTS]
-    print(f"== many peers: P = {MPARAMS}M, base rate {BASE_RATE}/s (x1-x10), epochs of ~{EPOCH_SECONDS} s, "
+    print(f"== many peers: P = {MPARAMS}M, base rate {BASE_RATE}/s (x1-x10), local steps of {STEP_SECONDS} s, epochs of ~{EPOCH_SECONDS} s, "
           f"{DURATION} s per run (window from {WARMUP} s), churn every {CHURN_SECONDS} s, "
           f"links: {LINKS or '127.0.0.1'}", flush=True)
     print(HEADER)

@@ -2,7 +2,7 @@
 process holds each state request while the file ``--hold`` exists (a slow donor: downloads stay open).
 
     python state_serving_worker.py --run R --authority authority.pem.pub --token donor.token --key donor.pem \
-        --hold HOLD_FILE --max-state-downloads 2
+        --hold HOLD_FILE --max-state-downloads 2 [--debug-serving]
 
 Prints ``DONOR <multiaddr> <peer id base58>`` once it serves, and runs until killed.
 """
@@ -21,8 +21,11 @@ def main() -> None:
     for name in ("--run", "--authority", "--token", "--key", "--hold"):
         parser.add_argument(name, required=True)
     parser.add_argument("--max-state-downloads", type=int, required=True)
+    parser.add_argument("--debug-serving", action="store_true", help="log state_serving at DEBUG (how streams end)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(name)s: %(message)s")
+    if args.debug_serving:
+        logging.getLogger("lightning_swarm.hivemind_ext.state_serving").setLevel(logging.DEBUG)
 
     from lightning_swarm.hivemind_ext.lifetime import SwarmDHT  # hivemind.DHT whose death is noticed
     from hivemind.averaging import DecentralizedAverager

@@ -28,6 +28,32 @@ def test_max_state_downloads_is_checked():
             check_max_state_downloads(bad)
 
 
+def _authority(tmp_path: Path, users) -> dict:
+    """An authority's key and, for each user, a key and a token of run "servingrun": {user: SwarmAuth}."""
+    from lightning_swarm.auth.peer import SwarmAuth
+    from lightning_swarm.auth.tokens import generate_key, issue_token, read_public_key, save_key, token_to_json
+
+    authority_key = generate_key()
+    save_key(authority_key, str(tmp_path / "authority.pem"))
+    auths = {}
+    for user in users:
+        save_key(generate_key(), str(tmp_path / f"{user}.pem"))
+        token = issue_token(authority_key, "servingrun", user, read_public_key(str(tmp_path / f"{user}.pem.pub")), 600)
+        (tmp_path / f"{user}.token").write_text(token_to_json(token))
+        auths[user] = SwarmAuth("servingrun", str(tmp_path / "authority.pem.pub"), token=str(tmp_path / f"{user}.token"),
+                                key=str(tmp_path / f"{user}.pem"))
+    return auths
+
+
+def _start_donor(tmp_path: Path, hold: Path, log: Path, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), "--run", "servingrun", "--authority", str(tmp_path / "authority.pem.pub"),
+         "--token", str(tmp_path / "donor.token"), "--key", str(tmp_path / "donor.pem"), "--hold", str(hold),
+         "--max-state-downloads", "2", *extra], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
+        start_new_session=True)
+
+
 async def _wait_log(path: Path, text: str, count: int, process, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -46,26 +72,10 @@ def test_state_is_served_to_token_holders_one_download_each_and_a_bounded_number
     from hivemind.proto import averaging_pb2
     from hivemind.utils.serializer import MSGPackSerializer
 
-    from lightning_swarm.auth.peer import SwarmAuth
-    from lightning_swarm.auth.tokens import generate_key, issue_token, read_public_key, save_key, token_to_json
-
-    authority_key = generate_key()
-    save_key(authority_key, str(tmp_path / "authority.pem"))
-    auths = {}
-    for user in ("donor", "alice", "bob", "carol"):
-        save_key(generate_key(), str(tmp_path / f"{user}.pem"))
-        token = issue_token(authority_key, "servingrun", user, read_public_key(str(tmp_path / f"{user}.pem.pub")), 600)
-        (tmp_path / f"{user}.token").write_text(token_to_json(token))
-        auths[user] = SwarmAuth("servingrun", str(tmp_path / "authority.pem.pub"), token=str(tmp_path / f"{user}.token"),
-                                key=str(tmp_path / f"{user}.pem"))
+    auths = _authority(tmp_path, ("donor", "alice", "bob", "carol"))
     hold, log = tmp_path / "hold", tmp_path / "donor.log"
     hold.write_text("")
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    donor = subprocess.Popen(
-        [sys.executable, str(WORKER), "--run", "servingrun", "--authority", str(tmp_path / "authority.pem.pub"),
-         "--token", str(tmp_path / "donor.token"), "--key", str(tmp_path / "donor.pem"), "--hold", str(hold),
-         "--max-state-downloads", "2"], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
-        start_new_session=True)
+    donor = _start_donor(tmp_path, hold, log)
 
     async def scenario():
         await _wait_log(log, "DONOR ", 1, donor)
@@ -124,3 +134,63 @@ def test_state_is_served_to_token_holders_one_download_each_and_a_bounded_number
     assert "no access token" in text and "not signed for this peer id" in text
     assert "it is downloading this peer's state already (one download at a time per requester)" in text
     assert "refused a state download by user 'carol'" in text and "max_state_downloads=2" in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_download_closes_its_stream_once_the_last_part_is_in_and_the_donor_holds_it_open_till_then(tmp_path):
+    """The donor's stream stays open after its last part (its end could cut the last parts off: stream_ends), and
+    VerifiedStateDownload closes it as soon as the last announced part is in, so the hold ends at once; a requester
+    that reads until the end (hivemind's) still gets everything, after the hold."""
+    import types
+
+    import torch
+    from hivemind.averaging import DecentralizedAverager
+    from hivemind.p2p import P2P, PeerID
+    from hivemind.proto import averaging_pb2
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    from lightning_swarm.hivemind_ext.state_download import VerifiedStateDownload
+    from lightning_swarm.hivemind_ext.stream_ends import STREAM_LINGER_SECONDS
+
+    auths = _authority(tmp_path, ("donor", "alice", "bob"))
+    log = tmp_path / "donor.log"
+    donor = _start_donor(tmp_path, tmp_path / "no-hold", log, "--debug-serving")
+
+    async def scenario():
+        await _wait_log(log, "DONOR ", 1, donor)
+        _, address, peer_id = next(line for line in log.read_text().splitlines() if line.startswith("DONOR ")).split()
+        donor_id = PeerID.from_base58(peer_id)
+        p2p = await P2P.create(initial_peers=[address], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        try:
+            own_id = p2p.peer_id.to_bytes()
+
+            async def alices_request():
+                return download_request(auths["alice"], PREFIX, own_id, MSGPackSerializer)
+
+            # the requester's side of a SwarmStateAverager's download, on its own p2p daemon
+            requester = types.SimpleNamespace(
+                get_stub=DecentralizedAverager.get_stub, _p2p=p2p, prefix=PREFIX, serializer=MSGPackSerializer,
+                _expected_state=lambda: ([torch.Size([1000])], [torch.float32]),
+                _state_download_request=alices_request)
+            metadata, tensors = await VerifiedStateDownload._download_from(requester, donor_id, 30.0)
+            assert metadata and torch.equal(tensors[0], torch.arange(1000, dtype=torch.float32))
+            await _wait_log(log, "state stream to user 'alice': closed by the requester", 1, donor)
+            # bob reads until the end of the stream, as hivemind's download does: it ends after the hold
+            stream = await p2p.iterate_protobuf_handler(
+                donor_id, HANDLE, download_request(auths["bob"], PREFIX, own_id, MSGPackSerializer),
+                averaging_pb2.DownloadData)
+            messages = [message async for message in stream]
+            assert messages and messages[0].metadata
+            await _wait_log(log, "state stream to user 'bob': the requester did not close it", 1, donor)
+        finally:
+            await p2p.shutdown()
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 120))
+    finally:
+        os.killpg(donor.pid, signal.SIGKILL)
+        donor.wait(timeout=30)
+    closed = next(line for line in log.read_text().splitlines() if "closed by the requester" in line)
+    seconds = float(closed.split("closed by the requester ")[1].split(" s ")[0])
+    assert seconds < STREAM_LINGER_SECONDS / 2, closed
