@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional
 from lightning_swarm.compression import COMPRESSION_CHOICES
 from lightning_swarm.hivemind_ext.group_keys import moshpit_group_bits
 from lightning_swarm.hivemind_ext.catch_up import DEFAULT_MAX_STALE_EPOCHS, check_max_stale_epochs
-from lightning_swarm.hivemind_ext.optimizer import check_overlap_max_peers
+from lightning_swarm.hivemind_ext.optimizer import DEFAULT_OVERLAP_MAX_PEERS, check_overlap_max_peers
 
 
 def check_strategy_options(
@@ -95,7 +95,7 @@ def hivemind_optimizer_options(
     averager_opts: Optional[Dict[str, Any]],
     tracker_opts: Optional[Dict[str, Any]],
     verbose: bool,
-    overlap_max_peers: Optional[int] = 2,
+    overlap_max_peers: Optional[int] = DEFAULT_OVERLAP_MAX_PEERS,
     max_stale_epochs: int = DEFAULT_MAX_STALE_EPOCHS,
 ) -> Dict[str, Any]:
     """The SwarmOptimizer arguments of HivemindStrategy's options (same names and meaning), defaults filled in."""

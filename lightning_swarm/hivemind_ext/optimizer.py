@@ -16,7 +16,7 @@ SwarmOptimizer changes these things and nothing else:
   (:mod:`~lightning_swarm.hivemind_ext.epoch_rounds`; state rounds always are, synchronous gradient rounds use
   hivemind's one key), and a groupmate's part that arrives before its group is
   registered waits for it (:mod:`~lightning_swarm.hivemind_ext.round_groups`);
-  they apply while the swarm has at most ``overlap_max_peers`` peers (default 2; None: any size), synchronous rounds
+  they apply while the swarm has at most ``overlap_max_peers`` peers (default 8; None: any size), synchronous rounds
   beyond;
   docs/swarm-at-scale.md has the measurements;
 - a round (matched per epoch) still looking for a group once the swarm went past its epoch is given up after a
@@ -69,10 +69,12 @@ from lightning_swarm.hivemind_ext.tracker import ThrottledProgressTracker
 
 log = logging.getLogger(__name__)
 
-# the largest swarm in which the overlap options were measured not to lose to synchronous rounds: with rounds matched
-# per epoch 4 peers were 1.43x synchronous (reducer check off), but 16 simulated peers with half in client mode and
-# churn reached 0.07 of ideal against 0.45 synchronous: most overlapped rounds found no group (docs/swarm-at-scale.md)
-DEFAULT_OVERLAP_MAX_PEERS = 2
+# the largest swarm in which the overlap options were measured not to lose to synchronous rounds (since a handler's last
+# message is no longer lost at its close, stream_ends): 8 simulated peers, half in client mode, churn, 0.91 and 0.93 of
+# ideal against 0.87 and 0.73 synchronous; at 16 overlapped rounds still fall apart (0.49 against 0.77): a state round's
+# members start its all-reduce when their own gradient round ends, seconds apart, and the next epoch waits for it
+# (docs/swarm-at-scale.md)
+DEFAULT_OVERLAP_MAX_PEERS = 8
 # a triggered state round still looking for a group after this many matchmaking windows is given up (LateRounds)
 STATE_SEARCH_WINDOWS = 2
 # the two measured delays before a state round (SwarmOptimizer._bound_state_round_delays) together at most this share
@@ -162,7 +164,7 @@ class SwarmOptimizer(CatchUpAfterDownload, hivemind.Optimizer):
     averager's through ``grad_averager_factory``. ``swarm_auth`` (a :class:`~lightning_swarm.hivemind_ext.credentials.PeerCredentials`
     such as :class:`~lightning_swarm.auth.peer.SwarmAuth`, in a run with an authority) is handed to the tracker and both averagers (see
     :mod:`lightning_swarm.hivemind_ext.auth_guards`); the DHT must have been created with its authorizer.
-    ``overlap_max_peers`` (default 2; None: no limit): if ``delay_optimizer_step`` or ``delay_grad_averaging`` is on,
+    ``overlap_max_peers`` (default 8; None: no limit): if ``delay_optimizer_step`` or ``delay_grad_averaging`` is on,
     they (and ``delay_state_averaging``, if on) apply while the swarm has at most this many peers; in a larger
     swarm this peer averages synchronously, and says so in the log when it switches. ``client_mode`` left out (or
     None) is the DHT's, as hivemind documents but 1.1.12 does not do. ``max_stale_epochs``: a downloaded state that

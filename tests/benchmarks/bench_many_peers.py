@@ -30,7 +30,8 @@ Run: python tests/benchmarks/bench_many_peers.py                      (2, 4, 8, 
                                                                        variants at 16 peers, ~30 min)
      BENCH_PEER_COUNTS=8 BENCH_VARIANTS=base,churn python tests/benchmarks/bench_many_peers.py
 Variants: base (synchronous rounds, all reachable), overlap (delay_optimizer_step + delay_grad_averaging forced at
-any size: overlap_max_peers null), client50 (every second peer in client mode), churn (a peer, never the first, is
+any size: overlap_max_peers null), fallback (the same options with the default overlap_max_peers: what a user who
+asks for overlap gets, synchronous rounds beyond that many peers), client50 (every second peer in client mode), churn (a peer, never the first, is
 SIGKILLed with its whole process group every BENCH_CHURN_SECONDS and a new one of the same speed joins), goal
 (client50 + churn: the issue's goal, >= 0.85 of ideal); a suffix "-sync" (e.g. goal-sync) also makes the state
 rounds synchronous (delay_state_averaging False); hivemindvalidators (the peers' DHTs use hivemind's record validators,
@@ -95,6 +96,8 @@ def strategy_for(num_peers: int, variant: str, ideal: float) -> dict:
         strategy["delay_state_averaging"] = False
     if "overlap" in _kinds(variant):
         strategy.update(delay_optimizer_step=True, delay_grad_averaging=True, overlap_max_peers=None)
+    if "fallback" in _kinds(variant):  # overlap asked for, with the default overlap_max_peers: synchronous beyond it
+        strategy.update(delay_optimizer_step=True, delay_grad_averaging=True)
     return strategy
 
 
