@@ -17,7 +17,8 @@ statistics) to anyone who reaches the peer, as often and as many times at once a
 A served stream stays open after its last part until the requester closes it, at most
 :data:`~lightning_swarm.hivemind_ext.stream_ends.STREAM_LINGER_SECONDS` (otherwise its last parts can be lost at
 the close: :mod:`~lightning_swarm.hivemind_ext.stream_ends`). A refused request gets an empty stream, as hivemind
-answers when state sharing is off; the requester moves on to its next donor. Each refusal is logged once a minute with the requester's id.
+answers when state sharing is off; the requester moves on to its next donor. Each refusal is logged once a minute
+with the requester's id.
 
 Private names used here are listed in :data:`lightning_swarm.hivemind_ext.private_api.PRIVATE_SYMBOLS`.
 """
