@@ -73,7 +73,7 @@ log = logging.getLogger(__name__)
 # message is no longer lost at its close, stream_ends): 8 simulated peers, half in client mode, churn, 0.91 and 0.93 of
 # ideal against 0.87 and 0.73 synchronous; at 16 with 15 s epochs overlapped rounds still fell apart (0.49 against 0.77:
 # a state round's members start its all-reduce when their own gradient round ends, seconds apart, and the next epoch
-# waits for it), with 30 s epochs they held (0.87 against 0.76, one run) (docs/swarm-at-scale.md)
+# waits for it), with 30 s epochs they held (0.87 and 0.90 against 0.76) (docs/swarm-at-scale.md)
 DEFAULT_OVERLAP_MAX_PEERS = 8
 # a triggered state round still looking for a group after this many matchmaking windows is given up (LateRounds)
 STATE_SEARCH_WINDOWS = 2
