@@ -93,8 +93,8 @@ class HivemindStrategy(SingleDeviceStrategy):
         overlap_max_peers: with delay_optimizer_step or delay_grad_averaging, the three options above apply while
             the swarm has at most this many peers; a larger swarm averages synchronously, and each peer logs when it
             switches. Default 8: 8 simulated peers (half in client mode, churn) were 0.91-0.93 of ideal overlapped
-            against 0.73-0.87 synchronous, 16 were 0.49 against 0.77 with 15 s epochs and 0.87 against 0.76 with
-            30 s epochs 0.87-0.90 against 0.76 (docs/swarm-at-scale.md). None: always as given.
+            against 0.73-0.87 synchronous, 16 were 0.49 against 0.77 with 15 s epochs and 0.87-0.90 against 0.76
+            with 30 s epochs (docs/swarm-at-scale.md). None: always as given.
         offload_optimizer: keep the optimizer (and a copy of the parameters) on the CPU. Default: hivemind's
             default (True).
         reuse_grad_buffers: accumulate gradients in the parameters' ``.grad`` (saves memory; Lightning's
