@@ -40,8 +40,8 @@ def _authority(tmp_path: Path, users) -> dict:
         save_key(generate_key(), str(tmp_path / f"{user}.pem"))
         token = issue_token(authority_key, "servingrun", user, read_public_key(str(tmp_path / f"{user}.pem.pub")), 600)
         (tmp_path / f"{user}.token").write_text(token_to_json(token))
-        auths[user] = SwarmAuth("servingrun", str(tmp_path / "authority.pem.pub"), token=str(tmp_path / f"{user}.token"),
-                                key=str(tmp_path / f"{user}.pem"))
+        auths[user] = SwarmAuth("servingrun", str(tmp_path / "authority.pem.pub"),
+                                token=str(tmp_path / f"{user}.token"), key=str(tmp_path / f"{user}.pem"))
     return auths
 
 
@@ -52,6 +52,23 @@ def _start_donor(tmp_path: Path, hold: Path, log: Path, *extra: str) -> subproce
          "--token", str(tmp_path / "donor.token"), "--key", str(tmp_path / "donor.pem"), "--hold", str(hold),
          "--max-state-downloads", "2", *extra], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
         start_new_session=True)
+
+
+async def _connect_to_donor(log: Path, donor: subprocess.Popen):
+    """Once the donor printed its address: its PeerID and a new p2p daemon of this process connected to it."""
+    from hivemind.p2p import P2P, PeerID
+
+    await _wait_log(log, "DONOR ", 1, donor)
+    _, address, peer_id = next(line for line in log.read_text().splitlines() if line.startswith("DONOR ")).split()
+    return PeerID.from_base58(peer_id), await P2P.create(initial_peers=[address], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+
+
+def _run_then_kill(scenario, donor: subprocess.Popen, timeout: float) -> None:
+    try:
+        asyncio.run(asyncio.wait_for(scenario, timeout))
+    finally:
+        os.killpg(donor.pid, signal.SIGKILL)
+        donor.wait(timeout=30)
 
 
 async def _wait_log(path: Path, text: str, count: int, process, timeout: float = 60.0) -> None:
@@ -68,7 +85,6 @@ async def _wait_log(path: Path, text: str, count: int, process, timeout: float =
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_state_is_served_to_token_holders_one_download_each_and_a_bounded_number_at_once(tmp_path):
-    from hivemind.p2p import P2P, PeerID
     from hivemind.proto import averaging_pb2
     from hivemind.utils.serializer import MSGPackSerializer
 
@@ -78,11 +94,7 @@ def test_state_is_served_to_token_holders_one_download_each_and_a_bounded_number
     donor = _start_donor(tmp_path, hold, log)
 
     async def scenario():
-        await _wait_log(log, "DONOR ", 1, donor)
-        line = next(line for line in log.read_text().splitlines() if line.startswith("DONOR "))
-        _, address, peer_id = line.split()
-        donor_id = PeerID.from_base58(peer_id)
-        p2p = await P2P.create(initial_peers=[address], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        donor_id, p2p = await _connect_to_donor(log, donor)
         try:
             own_id = p2p.peer_id.to_bytes()
 
@@ -123,11 +135,7 @@ def test_state_is_served_to_token_holders_one_download_each_and_a_bounded_number
         finally:
             await p2p.shutdown()
 
-    try:
-        asyncio.run(asyncio.wait_for(scenario(), 200))
-    finally:
-        os.killpg(donor.pid, signal.SIGKILL)
-        donor.wait(timeout=30)
+    _run_then_kill(scenario(), donor, 200)
     text = log.read_text()
     # no token; wrong peer id (the join proof's refusal reads the same: logged once a minute)
     assert text.count("refused a state download by peer") == 2
@@ -146,7 +154,6 @@ def test_a_download_closes_its_stream_once_the_last_part_is_in_and_the_donor_hol
 
     import torch
     from hivemind.averaging import DecentralizedAverager
-    from hivemind.p2p import P2P, PeerID
     from hivemind.proto import averaging_pb2
     from hivemind.utils.serializer import MSGPackSerializer
 
@@ -158,10 +165,7 @@ def test_a_download_closes_its_stream_once_the_last_part_is_in_and_the_donor_hol
     donor = _start_donor(tmp_path, tmp_path / "no-hold", log, "--debug-serving")
 
     async def scenario():
-        await _wait_log(log, "DONOR ", 1, donor)
-        _, address, peer_id = next(line for line in log.read_text().splitlines() if line.startswith("DONOR ")).split()
-        donor_id = PeerID.from_base58(peer_id)
-        p2p = await P2P.create(initial_peers=[address], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        donor_id, p2p = await _connect_to_donor(log, donor)
         try:
             own_id = p2p.peer_id.to_bytes()
 
@@ -186,11 +190,7 @@ def test_a_download_closes_its_stream_once_the_last_part_is_in_and_the_donor_hol
         finally:
             await p2p.shutdown()
 
-    try:
-        asyncio.run(asyncio.wait_for(scenario(), 120))
-    finally:
-        os.killpg(donor.pid, signal.SIGKILL)
-        donor.wait(timeout=30)
+    _run_then_kill(scenario(), donor, 120)
     closed = next(line for line in log.read_text().splitlines() if "closed by the requester" in line)
     seconds = float(closed.split("closed by the requester ")[1].split(" s ")[0])
     assert seconds < STREAM_LINGER_SECONDS / 2, closed
