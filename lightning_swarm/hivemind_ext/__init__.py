@@ -76,6 +76,8 @@ Every private name used is listed in :data:`~lightning_swarm.hivemind_ext.privat
     - ``TensorPartContainer.register_failed_reducer``: extended, a failed reducer's slice is marked uncheckable.
     - ``DecentralizedAverager._step``: extended, the rounds under way are remembered; a round this peer leaves
       (a member it keeps out is in the group) gets ``StepControl._allow_retries`` cleared: it is not retried.
+    - A round entered with weight 0 (a stale state merged) that got part of its results
+      (``TensorPartContainer.failed_size`` of ``total_size``) or refused a slice fails, not retried.
 ``result_records`` (what the check of the reducers keeps of a round's results, and the reducer's header on each)
     - ``AllReduceRunner._accumulate_parts_streaming``: extended, each result message gets the reducer's header;
       ``tensor_part_reducer`` holds the headers.

@@ -109,6 +109,9 @@ class StaleStateMerge:
             self._merge_round = None
             if _merged(merge):
                 self.end_stale_state("merged into its group's by a state averaging round")
+            else:  # (a round that got part of the group's state fails too: RobustAveraging._check_merge_complete)
+                log.info(f"[lightning_swarm] the state round that was to merge this peer's state of epoch "
+                         f"{self.stale_since} failed: the next one merges it")
         self.global_steps += bool(kwargs.get("increment_epoch"))
         if averaging_round and self.stale_since is not None and self._merge_round is None:
             gather = self.local_epoch + int(bool(kwargs.get("increment_epoch")))  # as hivemind's round gathers

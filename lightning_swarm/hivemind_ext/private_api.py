@@ -254,7 +254,12 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
         ("DecentralizedAverager._step", "extended: remembers the rounds under way (a round this peer leaves)"),
     ])
     + _symbols("hivemind.averaging.control", "robust_allreduce", [
-        ("StepControl._allow_retries", "cleared on the round this peer leaves: it is not retried"),
+        ("StepControl._allow_retries", "cleared on the round this peer leaves, or a merge that got part of its "
+                                       "results: it is not retried"),
+    ], instance=True)
+    + _symbols("hivemind.averaging.partition", "robust_allreduce", [
+        ("TensorPartContainer.failed_size", "values of failed reducers' slices: a merging round fails on any"),
+        ("TensorPartContainer.total_size", "the round's values, for the share received"),
     ], instance=True)
     + _symbols("hivemind.optim.state_averager", "state", [
         ("TrainingStateAverager._update_scheduler", "steps the LR schedule to a new epoch set by the monitor"),

@@ -487,6 +487,7 @@ class RobustAveraging(ReportMailbox):
                     tensor.add_(update, alpha=self._averaging_alpha)
                     self.last_updated = get_dht_time()
                     self._state_updated.set()
+                self._check_merge_complete(runner, set(), kwargs.get("weight"))
                 return
             updates = [update async for update in runner]  # applied once every other reducer's slice is checked
             refused = await self.verify_results(runner, group_id)
@@ -495,10 +496,34 @@ class RobustAveraging(ReportMailbox):
                 tensor.add_(update, alpha=self._averaging_alpha)
             self.last_updated = get_dht_time()
             self._state_updated.set()
+            self._check_merge_complete(runner, refused, kwargs.get("weight"))
         finally:
             runner.tensor_part_container.release_results()
             runner.tensor_part_reducer.reduced.clear()
             self.close_mailbox_later(group_id)
+
+    def _check_merge_complete(self, runner: RobustAllReduceRunner, refused: Set[int], weight: Optional[float]) -> None:
+        """Fail a round this peer entered with weight 0 (a stale state merged into its group's:
+        :class:`~lightning_swarm.hivemind_ext.catch_up.StaleStateMerge`) unless it applied every reducer's slice.
+
+        A slice whose reducer failed or was refused keeps this peer's local values, which for such a peer are the
+        stale ones: ended there, the merge left part of its parameters a step or more behind the swarm's, and from its
+        next state round on, at full weight, it pulled its groupmates towards them (bench_many_peers, 16 overlapped
+        peers: a newcomer merged with 75% of the results stayed 1.5x its groupmates' loss). Failed (not retried:
+        its groupmates have moved on), the round leaves the peer stale, and its next state round merges again.
+        What it did apply stays (hivemind applies a failed round's tensors too): closer to the group's, not worse."""
+        if weight is None or weight != 0:
+            return
+        container = runner.tensor_part_container
+        if not container.failed_size and not refused:
+            return
+        for step in list(self.__dict__.get("_rounds_under_way", ())):
+            if step.stage == AveragingStage.RUNNING_ALLREDUCE and not step.done():
+                step._allow_retries = False
+        received = 1.0 - container.failed_size / max(1, container.total_size)
+        raise AllreduceException(
+            f"[lightning_swarm] a merging round (weight 0) got {received:.1%} of its results and "
+            f"{len(refused)} slice(s) refused: its state stays stale until a round merges all of it")
 
     async def _leave_group_now(self, group_info: GroupInfo, group_id: bytes, peer_fractions: Optional[Sequence[float]],
                                reason: str) -> None:

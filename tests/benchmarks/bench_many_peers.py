@@ -17,12 +17,15 @@ Per run (one row), over the steady window (from BENCH_WARMUP s after every peer 
 - failed, resync: the window's epoch transitions after a failed gradient round (local gradients) or a catch-up
   (counted in the window only since 2026-11-28: rounds under way when the peers stop at the run's end fail too);
 - wait s/step: per peer, seconds of its local steps beyond the simulated compute, per global step (mean of peers);
-- loss/ref: the peers' excess loss after the last global step of the window, over one process (computed here) that
-  took SGD steps with the same number of samples per global step (the sum of what the peers reported as entered);
-  (spread): the largest minus the smallest peer's, over the reference's. With overlap (delay_optimizer_step) an
-  epoch's update lands during the next epoch, so a peer holds one update fewer, computed on partly stale parameters:
-  the ratio reads 1.25-1.32 at 8 peers whose parameters agree to 5 digits (docs/notes/swarm-at-scale-measurements.md,
-  2026-11-29); compare overlapped runs by their spread;
+- loss/ref: the peers' excess loss after the last global step of the window (median of peers), over one process
+  (computed here) that took SGD steps with the same number of samples per global step (the sum of what the peers
+  reported as entered), as many steps as the peer has applied, with the same staleness. With overlap
+  (delay_optimizer_step) an epoch's update lands during the next epoch: a peer that reached epoch K holds K - 1
+  updates, and the samples it processed before an update landed had their gradient taken at the parameters before it
+  (stale: their share, mean over steps; the reference takes that share of each step's gradient at its previous
+  parameters). Against plain SGD at K (plain) overlapped peers whose parameters agreed to 5 digits read 1.22-1.32
+  (docs/notes/swarm-at-scale-measurements.md, 2026-11-29). (spread): the largest minus the smallest peer's, over the
+  plain reference's at K; (delayed): how many of the peers at K had their update delayed;
 - RSS/PSS GB per peer (its processes summed: trainer, DHT, averagers, p2pd; max over the run, mean of peers) and
   background cores per peer (everything but its training thread) beside its training thread's cores.
 
@@ -59,7 +62,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from paths import REPO  # noqa: E402
 
 sys.path.insert(0, str(REPO / "tests" / "lightning_swarm"))
-from many_peers import ManyPeerSwarm, PeerSpec, entered, epoch_events, global_batch_sizes  # noqa: E402
+from many_peers import (ManyPeerSwarm, PeerSpec, entered, epoch_events, global_batch_sizes,  # noqa: E402
+                        global_stale_fractions)
 from netns_harness import shaped_network  # noqa: E402
 from sim_accelerator import reference_losses  # noqa: E402
 
@@ -185,9 +189,17 @@ def analyse(swarm: ManyPeerSwarm, t0: float, t1: float, ideal: float) -> dict:
         if deltas:
             waits.append(sum(deltas) / len(deltas))
 
-    reference = reference_losses([max(1, n) for n in global_batch_sizes(transitions, last)], **{
-        k: v for k, v in MODEL.items() if k in ("num_params", "num_tensors")})
-    losses = [e["loss"] for e in transitions if e["epoch"] == last]
+    problem = {k: v for k, v in MODEL.items() if k in ("num_params", "num_tensors")}
+    sizes = [max(1, n) for n in global_batch_sizes(transitions, last)]
+    reference = reference_losses(sizes, **problem)
+    # with delay_optimizer_step: the same steps, each taken partly at the parameters before the previous update
+    stale = global_stale_fractions(transitions, last)
+    delayed_reference = reference_losses(sizes, stale_fractions=stale, **problem) if any(stale) else reference
+    at_last = [e for e in transitions if e["epoch"] == last]
+    losses = [e["loss"] for e in at_last]
+    # a peer whose update of the last epoch is delayed (delay_optimizer_step) holds one update fewer at this moment
+    ratios = [e["loss"] / (delayed_reference[last - 1] if e.get("delayed") else delayed_reference[last])
+              for e in at_last]
     cpu_main, cpu_background = [], []
     for peer_events in events.values():
         ticks = [e for e in peer_events if e["kind"] == "tick" and t0 <= e["time"] <= t1]
@@ -202,7 +214,9 @@ def analyse(swarm: ManyPeerSwarm, t0: float, t1: float, ideal: float) -> dict:
         entered=entered_samples / max(1, processed), steps=last - first, partial=sum(
             len(PARTIAL.findall(peer.log())) for peer in everyone),
         wait=statistics.mean(waits) if waits else float("nan"),
-        loss_ratio=(statistics.median(losses) / reference[last]) if losses else float("nan"),
+        loss_ratio=statistics.median(ratios) if ratios else float("nan"),
+        delayed=sum(1 for e in at_last if e.get("delayed")), stale=statistics.mean(stale) if stale else 0.0,
+        plain_ratio=statistics.median(losses) / reference[last] if losses else float("nan"),
         loss_spread=(max(losses) - min(losses)) / reference[last] if losses else float("nan"), last_epoch=last,
         rss=statistics.mean(memory) if memory else float("nan"), pss=statistics.mean(pss) if pss else float("nan"),
         cpu_main=statistics.mean(cpu_main) if cpu_main else float("nan"),
@@ -214,8 +228,8 @@ def analyse(swarm: ManyPeerSwarm, t0: float, t1: float, ideal: float) -> dict:
 
 
 HEADER = ("| peers | variant | target | swarm samples/s (ideal) | swarm/ideal | entered | global steps | partial | "
-          "wait s/step | loss/ref (spread) | failed, resync | replaced | RSS (PSS) GB/peer | cores/peer main, background | "
-          "load avg at start |")
+          "wait s/step | loss/ref (spread, delayed; stale, plain) | failed, resync | replaced | RSS (PSS) GB/peer | "
+          "cores/peer main, background | load avg at start |")
 
 
 def row(r: dict) -> str:
@@ -223,7 +237,9 @@ def row(r: dict) -> str:
         return f"| {r['peers']} | {r['variant']} | {r.get('target')} | {r['error']} |"
     return (f"| {r['peers']} | {r['variant']} | {r['target']} | {r['swarm_sps']:.0f} ({r['ideal']:.0f}) | "
             f"{r['ratio']:.2f} | {r['entered']:.3f} | {r['steps']} | {r['partial']} | {r['wait']:.2f} | "
-            f"{r['loss_ratio']:.4f} ({r['loss_spread']:.4f}) | {r['failed']}, {r['resync']} | {r['replaced']} | "
+            f"{r['loss_ratio']:.4f} ({r['loss_spread']:.4f}, {r['delayed']}; {r['stale']:.3f}, "
+            f"{r['plain_ratio']:.4f}) | "
+            f"{r['failed']}, {r['resync']} | {r['replaced']} | "
             f"{r['rss']:.2f} ({r['pss']:.2f}) | {r['cpu_main']:.3f}, {r['cpu_background']:.3f} | {r['load']:.1f} |")
 
 

@@ -7,7 +7,8 @@ A framer (``--lie frame``) reduces honestly and sends false reports on the other
 withhold``) averages honestly and sends no verification message (it applies what it got unchecked). Each peer averages one
 tensor of ``NUMEL`` values, ``base + 0.3 * noise(seed)``, uncompressed, with CenteredClip, in one group of 3.
 
-Usage (the first peer prints ``PEER <multiaddr>``; each prints ``PEER_ID <id>``, then ``DONE`` after its round):
+Usage (the first peer prints ``PEER <multiaddr>``; each prints ``PEER_ID <id>``, ``ROUND <n>`` or ``ROUND_FAILED <n>
+<error>`` per round, then ``DONE``):
 
     python tests/lightning_swarm/lying_reducer.py --seed 0 --out a.safetensors
     python tests/lightning_swarm/lying_reducer.py --seed 1 --out b.safetensors --initial-peer /ip4/... --lie large
@@ -191,6 +192,9 @@ def main() -> None:
     parser.add_argument("--next-chunk-timeout", type=float, default=None,
                         help="seconds a reducer waits for a sender's next part (none: hivemind's default, no limit)")
     parser.add_argument("--rounds", type=int, default=1, help="averaging rounds, one after the other")
+    parser.add_argument("--weight", type=float, default=1.0,
+                        help="this peer's weight in its rounds (0: it takes the group's average, as a newcomer "
+                             "merging a stale state does)")
     parser.add_argument("--no-verify", action="store_true", help="apply the reducers' results unchecked")
     parser.add_argument("--auxiliary", action="store_true",
                         help="an auxiliary peer: it reduces a slice but sends no part of its own")
@@ -265,8 +269,12 @@ def main() -> None:
                         auxiliary=args.auxiliary, start=True)
     print("PEER_ID", dht.peer_id, flush=True)
     for round_number in range(args.rounds):
-        averager.step(timeout=args.timeout)
-        print("ROUND", round_number, flush=True)
+        try:
+            averager.step(timeout=args.timeout, weight=args.weight)
+        except Exception as e:  # the test reads why
+            print("ROUND_FAILED", round_number, repr(e), flush=True)
+        else:
+            print("ROUND", round_number, flush=True)
     with averager.get_tensors() as tensors:
         save_file({"averaged": tensors[0].clone(), "input": tensor}, args.out)
     faulthandler.cancel_dump_traceback_later()

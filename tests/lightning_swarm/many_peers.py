@@ -339,3 +339,14 @@ def global_batch_sizes(events: List[Dict[str, Any]], last_epoch: int) -> List[in
         if entered(e) and 1 <= e["epoch"] <= last_epoch:
             sizes[e["epoch"] - 1] += e["samples"]
     return sizes
+
+
+def global_stale_fractions(events: List[Dict[str, Any]], last_epoch: int) -> List[float]:
+    """The share of each global step's entered samples (1..last_epoch) whose gradient a peer took before the
+    previous step's delayed update landed (sim_peer's "stale" count), for :func:`reference_losses`."""
+    stale, sizes = [0] * last_epoch, [0] * last_epoch
+    for e in events:
+        if entered(e) and 1 <= e["epoch"] <= last_epoch:
+            stale[e["epoch"] - 1] += min(e.get("stale", 0), e["samples"])
+            sizes[e["epoch"] - 1] += e["samples"]
+    return [s / n if n else 0.0 for s, n in zip(stale, sizes)]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Iterator, List, Sequence
+from typing import Any, Iterator, List, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -106,19 +106,33 @@ def excess_loss(weights: Sequence[torch.Tensor], curvatures: Sequence[torch.Tens
 
 def reference_losses(batch_sizes: Sequence[int], num_params: int = 1_000_000, num_tensors: int = 4,
                      noise: float = 4.0, lr: float = 1.0, h_min: float = 0.1, h_max: float = 0.5,
-                     problem_seed: int = 1234, seed: int = 99) -> List[float]:
+                     problem_seed: int = 1234, seed: int = 99,
+                     stale_fractions: Optional[Sequence[float]] = None) -> List[float]:
     """One process on the same problem: SGD steps with global batches of ``batch_sizes[k]`` samples (each the
-    mean of that many fresh observations), from w = 0. Returns L(w) before the first step and after every step."""
+    mean of that many fresh observations), from w = 0. Returns L(w) before the first step and after every step.
+
+    ``stale_fractions[k]`` (default all 0): the share of step k's samples whose gradient was taken at the parameters
+    before step k - 1 (w_(k-1) instead of w_k), as with hivemind's ``delay_optimizer_step``, where a global step's
+    update lands some local steps into the next epoch: step k then moves by h (f w_(k-1) + (1 - f) w_k - b_mean)."""
+    if stale_fractions is not None and len(stale_fractions) != len(batch_sizes):
+        raise ValueError(f"{len(stale_fractions)} stale fractions for {len(batch_sizes)} steps")
     curvatures, optimum = problem_tensors(num_params, num_tensors, h_min, h_max, problem_seed)
     generator = torch.Generator().manual_seed(seed)
     weights = [torch.zeros_like(h) for h in curvatures]
+    previous = [w.clone() for w in weights]  # w_(k-1): before the step before
     losses = [excess_loss(weights, curvatures, optimum)]
-    for batch_size in batch_sizes:
+    for k, batch_size in enumerate(batch_sizes):
         if batch_size <= 0:
             raise ValueError(f"a global step of {batch_size} samples")
-        for w, h, w_opt in zip(weights, curvatures, optimum):
+        stale = 0.0 if stale_fractions is None else float(stale_fractions[k])
+        if not 0.0 <= stale <= 1.0:
+            raise ValueError(f"step {k}: a stale fraction of {stale}")
+        before = [w.clone() for w in weights]
+        for w, w_prev, h, w_opt in zip(weights, previous, curvatures, optimum):
             target = w_opt + noise / math.sqrt(batch_size) * h.rsqrt() * torch.randn(w.shape, generator=generator)
-            w.sub_(lr * h * (w - target))
+            at = w if stale == 0.0 else stale * w_prev + (1.0 - stale) * w
+            w.sub_(lr * h * (at - target))
+        previous = before
         losses.append(excess_loss(weights, curvatures, optimum))
     return losses
 

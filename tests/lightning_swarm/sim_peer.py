@@ -8,8 +8,10 @@ Run: python tests/lightning_swarm/sim_peer.py CONFIG.json, where CONFIG holds
     of multiaddrs before joining (the process starts, imports and builds its model meanwhile).
 
 events.jsonl gets one JSON line per global epoch this peer reaches ("epoch": how it got there, the samples it had
-accumulated, its wait so far, the excess loss of its parameters), one every ~5 s ("tick": samples processed, wait,
-CPU seconds of its training thread and of everything else it runs) and one at the end.
+accumulated, its wait so far, the excess loss of its parameters, whether this epoch's update is delayed: with
+``delay_optimizer_step`` it is applied in the background during the next epoch, and how many of the epoch's samples
+had their gradient taken before the previous epoch's delayed update landed), one every ~5 s ("tick": samples
+processed, wait, CPU seconds of its training thread and of everything else it runs) and one at the end.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class OutcomeHandler(logging.Handler):
 
 def make_recorder(out_dir: str, stop_time: float, handler: OutcomeHandler, tick_seconds: float = 5.0):
     import lightning.pytorch as pl
+    import torch
 
     from peer_worker import cpu_seconds
 
@@ -63,6 +66,10 @@ def make_recorder(out_dir: str, stop_time: float, handler: OutcomeHandler, tick_
             self.path = Path(out_dir) / "events.jsonl"
             self.epoch: Optional[int] = None
             self.samples = self.epoch_samples = 0
+            self.epoch_stale = 0  # samples of this epoch whose gradient was taken before a delayed update landed
+            self.update_pending = False  # a global step's delayed update has not changed the parameters yet
+            self.batch_stale = False
+            self.fingerprint: Optional[Any] = None  # a few parameters as they were when that step began
             self.wait = 0.0  # seconds of local steps beyond the simulated compute time
             self.batch_started = 0.0
             self.next_tick = 0.0
@@ -74,6 +81,9 @@ def make_recorder(out_dir: str, stop_time: float, handler: OutcomeHandler, tick_
 
         def on_train_batch_start(self, trainer: Any, module: Any, *args: Any) -> None:
             self.batch_started = time.perf_counter()
+            if self.update_pending and not torch.equal(module.weights[0].detach()[:64], self.fingerprint):
+                self.update_pending = False
+            self.batch_stale = self.update_pending  # this batch's gradient is taken before the update landed
             if self.epoch is None:  # the strategy joined the swarm (and downloaded its state if it joined late)
                 self.epoch = trainer.strategy.global_epoch
                 handler.take()
@@ -84,12 +94,21 @@ def make_recorder(out_dir: str, stop_time: float, handler: OutcomeHandler, tick_
             self.wait += max(0.0, time.perf_counter() - self.batch_started - module.step_seconds)
             self.samples += module.batch
             self.epoch_samples += module.batch
+            if self.batch_stale:
+                self.epoch_stale += module.batch
             epoch = trainer.strategy.global_epoch
+            optimizer = trainer.strategy.optimizer
             if epoch != self.epoch:
                 self.write(kind="epoch", previous=self.epoch, epoch=epoch, samples=self.epoch_samples,
                            outcomes=handler.take(), processed=self.samples, wait=self.wait,
-                           loss=module.excess_loss(), peers=trainer.strategy.num_peers)
-                self.epoch, self.epoch_samples = epoch, 0
+                           loss=module.excess_loss(), peers=trainer.strategy.num_peers,
+                           delayed=bool(optimizer is not None and optimizer.delay_optimizer_step),
+                           stale=self.epoch_stale)
+                self.epoch, self.epoch_samples, self.epoch_stale = epoch, 0, 0
+                if optimizer is not None and optimizer.delay_optimizer_step:
+                    # this global step's update lands in the background during the next local steps: until the
+                    # parameters change (local steps leave them as they are), gradients are taken before it
+                    self.update_pending, self.fingerprint = True, module.weights[0].detach()[:64].clone()
             now = time.time()
             if now >= self.next_tick:
                 self.next_tick = now + tick_seconds

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from many_peers import ManyPeerSwarm, PeerSpec, entered, epoch_events, global_batch_sizes
-from sim_accelerator import SimulatedAccelerator, excess_loss, reference_losses
+from many_peers import ManyPeerSwarm, PeerSpec, entered, epoch_events, global_batch_sizes, global_stale_fractions
+from sim_accelerator import SimulatedAccelerator, excess_loss, problem_tensors, reference_losses
 
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 # small noise: the loss is dominated by its deterministic part, which any gradient taken at the swarm's current
@@ -47,6 +47,36 @@ def test_simulated_accelerator_step_time_gradient_and_reference():
         SimulatedAccelerator(samples_per_second=0)
     weights = [torch.zeros(3)]
     assert excess_loss(weights, [torch.ones(3)], [torch.ones(3)]) == pytest.approx(0.5)
+
+
+def test_reference_with_stale_gradients_takes_that_share_at_the_parameters_before_the_previous_step():
+    """reference_losses' model of delay_optimizer_step: with stale fraction f, step k's gradient is taken at
+    f w_(k-1) + (1 - f) w_k; f = 0 is plain SGD, and without noise two fully stale steps from w = 0 reach 2 h w*."""
+    problem = dict(num_params=2000, num_tensors=2, noise=0.0)
+    assert reference_losses([10, 10, 10], stale_fractions=[0, 0, 0], **problem) == reference_losses([10] * 3, **problem)
+    curvatures, optimum = problem_tensors(2000, 2, 0.1, 0.5, 1234)
+    stale = reference_losses([10, 10], stale_fractions=[1.0, 1.0], **problem)
+    plain = reference_losses([10, 10], **problem)
+    # plain: w1 = h w*, w2 = w1 - h (w1 - w*) = (2h - h^2) w*; stale: w2 = w1 - h (w0 - w*) = 2h w*
+    assert stale[1] == pytest.approx(plain[1], rel=1e-6)
+    assert stale[2] == pytest.approx(excess_loss([2 * h * w for h, w in zip(curvatures, optimum)], curvatures, optimum),
+                                     rel=1e-5)
+    assert stale[2] != pytest.approx(plain[2], rel=1e-3)
+    half = reference_losses([10, 10], stale_fractions=[0.5, 0.5], **problem)[2]
+    assert min(stale[2], plain[2]) < half < max(stale[2], plain[2])
+    with pytest.raises(ValueError, match="2 stale fractions for 3 steps"):
+        reference_losses([10] * 3, stale_fractions=[0, 0], **problem)
+    with pytest.raises(ValueError, match="a stale fraction of 1.5"):
+        reference_losses([10], stale_fractions=[1.5], **problem)
+
+
+def test_global_stale_fractions_weigh_each_step_by_its_entered_samples():
+    events = [dict(previous=0, epoch=1, samples=30, stale=30, outcomes=["averaged:2"]),
+              dict(previous=0, epoch=1, samples=10, stale=0, outcomes=["averaged:2"]),
+              dict(previous=1, epoch=2, samples=20, stale=5, outcomes=["averaged:2"]),
+              dict(previous=1, epoch=2, samples=50, stale=50, outcomes=["failed"]),  # did not enter
+              dict(previous=0, epoch=2, samples=40, stale=40, outcomes=[])]  # a catch-up: did not enter
+    assert global_stale_fractions(events, 3) == [0.75, 0.25, 0.0]
 
 
 @pytest.mark.slow
