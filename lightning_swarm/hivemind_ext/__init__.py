@@ -136,6 +136,9 @@ through ``credentials.PeerCredentials``, so this package never imports ``lightni
       ``max_state_downloads`` at once, one per requester.
     - ``ServicerBase._rpc_handlers`` and ``ServicerBase._stub_type``: reset for each class with the mixin, so that
       hivemind collects its handlers with our request type rather than inheriting a base class's.
+``state_snapshot`` (a donor labels its state with the epoch of the update it holds)
+    - ``TrainingStateAverager.get_current_state``: extended, read under ``TrainingStateAverager.lock_optimizer``, its
+      epoch lowered while a background update (``TrainingStateAverager.pending_updates``) has not run its step.
 ``round_groups`` (a groupmate's part that arrives before its group is registered waits for it)
     - ``DecentralizedAverager._running_groups``: where the part's group gets registered (hivemind refuses the part
       at once if another round of the averager has set ``_pending_groups_registered``).

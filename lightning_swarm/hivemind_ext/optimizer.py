@@ -62,6 +62,7 @@ from lightning_swarm.hivemind_ext.lifetime import DiesWithParent
 from lightning_swarm.hivemind_ext.matchmaking import ThrottledLeaderSearch
 from lightning_swarm.hivemind_ext.state_download import NoStateDownload, StateDownloadStopped, VerifiedStateDownload
 from lightning_swarm.hivemind_ext.state_serving import GuardedStateServing
+from lightning_swarm.hivemind_ext.state_snapshot import UpdateLabelledState
 from lightning_swarm.hivemind_ext.robust_allreduce import RobustAveraging
 from lightning_swarm.hivemind_ext.round_groups import PatientGroupRegistration
 from lightning_swarm.hivemind_ext.weight_bounds import ProgressBoundedWeights
@@ -131,8 +132,8 @@ class SwarmGradientAverager(DiesWithParent, HivemindRpcNames, RoundEpochs, Authe
 
 class SwarmStateAverager(DiesWithParent, HivemindRpcNames, RoundEpochs, AuthenticatedAveraging, CheckedGatheredData,
                          GuardedStateServing, PatientGroupRegistration, MovingGroupKeys, ThrottledLeaderSearch,
-                         StaleStateMerge, RobustAveraging, TrainingStateAverager, RoundEpochSender, FiniteStateDownload,
-                         VerifiedStateDownload):
+                         StaleStateMerge, UpdateLabelledState, RobustAveraging, TrainingStateAverager, RoundEpochSender,
+                         FiniteStateDownload, VerifiedStateDownload):
     """State averager of a SwarmOptimizer: hivemind's TrainingStateAverager with a throttled leader search,
     groupmates' parts that wait for their group to be registered (:mod:`~lightning_swarm.hivemind_ext.round_groups`),
     a screened all-reduce (every peer has weight 1 in state averaging: ``max_sender_weight=1``), a verified, retried
@@ -141,7 +142,8 @@ class SwarmStateAverager(DiesWithParent, HivemindRpcNames, RoundEpochs, Authenti
     the round; in a run with an authority, groups of authenticated peers only, state from plausible donors (or the one
     a moderator's revert names) and to token holders only; its process dies with the trainer
     (:mod:`~lightning_swarm.hivemind_ext.lifetime`); a downloaded state older than the swarm's is merged into the
-    group's at the next state round (:mod:`~lightning_swarm.hivemind_ext.catch_up`)."""
+    group's at the next state round (:mod:`~lightning_swarm.hivemind_ext.catch_up`); the state it serves is labelled
+    with the epoch of the update it holds (:mod:`~lightning_swarm.hivemind_ext.state_snapshot`)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("max_sender_weight", 1.0)

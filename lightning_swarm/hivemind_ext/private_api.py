@@ -261,6 +261,14 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
         ("TensorPartContainer.failed_size", "values of failed reducers' slices: a merging round fails on any"),
         ("TensorPartContainer.total_size", "the round's values, for the share received"),
     ], instance=True)
+    + _symbols("hivemind.optim.state_averager", "state_snapshot", [
+        ("TrainingStateAverager.get_current_state", "extended: under the optimizer's lock, labelled with the epoch "
+                                                    "of the update the state holds"),
+    ])
+    + _symbols("hivemind.optim.state_averager", "state_snapshot", [
+        ("TrainingStateAverager.lock_optimizer", "held while the state is read: no optimizer step half done"),
+        ("TrainingStateAverager.pending_updates", "whether a background update is under way"),
+    ], instance=True)
     + _symbols("hivemind.optim.state_averager", "state", [
         ("TrainingStateAverager._update_scheduler", "steps the LR schedule to a new epoch set by the monitor"),
     ])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import signal
+import threading
 import time
 
 import hivemind
@@ -306,3 +307,38 @@ def test_a_failed_gradient_round_steps_on_the_peers_own_gradient(dht):
         optimizer.shutdown()
         other.shutdown()
         other_dht.shutdown()
+
+
+def test_a_donor_serves_the_state_of_the_update_it_holds_while_a_delayed_step_is_under_way(dht):
+    """With delay_optimizer_step a peer is at epoch K while the update of epoch K - 1 runs in the background: until
+    its optimizer step has run, the state it serves is labelled K - 1 (hivemind 1.1.12 labelled it K: a newcomer
+    that downloaded then stayed one update behind its peers and, at full weight in its state rounds, pulled them
+    back); once it has run, K with the updated parameters."""
+    model = torch.nn.Linear(4, 1)
+    optimizer = SwarmOptimizer(dht=dht, run_id="labelled_state", target_batch_size=64, batch_size_per_step=16,
+                               params=model.parameters(), optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                               offload_optimizer=True, delay_optimizer_step=True, delay_grad_averaging=True,
+                               matchmaking_time=1.0, averaging_timeout=3.0, verbose=False)
+    averager = optimizer.state_averager
+    trigger = threading.Event()
+    try:
+        params = averager.optimizer.param_groups[0]["params"]
+        for param in params:  # the averaged gradient the background step applies
+            param.grad = torch.ones_like(param)
+        before = [param.detach().clone() for param in params]
+        epoch = averager.local_epoch
+        assert averager.get_current_state()[0]["epoch"] == epoch and averager.updates_behind() == 0
+        averager.step(increment_epoch=True, optimizer_step=True, delay_optimizer_step=True,
+                      wait_for_trigger=lambda: trigger.wait(30))  # (the gradient round, in the background)
+        assert averager.local_epoch == epoch + 1
+        metadata, tensors, _ = averager.get_current_state()
+        assert metadata["epoch"] == epoch and averager.updates_behind() == 1
+        assert all(torch.equal(t, b) for t, b in zip(tensors, before))
+        trigger.set()
+        averager.step(wait_for_delayed_updates=True)
+        metadata, tensors, _ = averager.get_current_state()
+        assert metadata["epoch"] == epoch + 1 and averager.updates_behind() == 0
+        assert all(torch.allclose(t, b - 0.1) for t, b in zip(tensors, before))
+    finally:
+        trigger.set()
+        optimizer.shutdown()
