@@ -43,7 +43,9 @@ SIGKILLed with its whole process group every BENCH_CHURN_SECONDS and a new one o
 rounds synchronous (delay_state_averaging False); hivemindvalidators (the peers' DHTs use hivemind's record validators,
 which check each record every time, instead of lightning_swarm.record_validators); kinds combine with "+"
 (goal+overlap: the goal with overlap forced).
-BENCH_KEEP_DIR=/tmp/many keeps every peer's config, log and events. BENCH_LINKS=home (or poor, datacenter: profiles
+BENCH_KEEP_DIR=/tmp/many keeps every peer's config, log and events; `python tests/benchmarks/bench_many_peers.py
+--epochs /tmp/many/16-goal` then prints that run's loss over the reference at every global step and how many rounds
+could not be checked. BENCH_LINKS=home (or poor, datacenter: profiles
 of tests/lightning_swarm/netns_harness.py; needs root and iproute2) puts each peer in a network namespace behind a
 shaped link of that profile instead of 127.0.0.1.
 """
@@ -263,5 +265,54 @@ def main() -> None:
         print(row(result), f"<!-- {started} UTC {json.dumps(result)} -->", flush=True)
 
 
+def kept_run_epochs(run_dir: Path) -> None:
+    """Print, for a run kept under BENCH_KEEP_DIR (its folder ``<peers>-<variant>``), each global step's median loss
+    over the reference (with the staleness the peers recorded; a delayed peer at K against the reference at K - 1),
+    and how many of the peers' gradient and state rounds could not be checked ("no verification this round": every
+    other member's slice kept local)."""
+    peer_dirs = sorted(d for d in run_dir.iterdir() if (d / "events.jsonl").exists())
+    events = []
+    for d in peer_dirs:
+        for line in (d / "events.jsonl").read_text().splitlines():
+            event = json.loads(line)
+            if event["kind"] == "epoch":
+                events.append(event)
+    last = max(e["epoch"] for e in events)
+    sizes = [max(1, n) for n in global_batch_sizes(events, last)]
+    stale = global_stale_fractions(events, last)
+    config = json.loads((peer_dirs[0] / "config.json").read_text())
+    problem = {k: v for k, v in config["model"].items() if k in ("num_params", "num_tensors")}
+    plain, delayed = reference_losses(sizes, **problem), reference_losses(sizes, stale_fractions=stale, **problem)
+    print(f"== {run_dir.name}: per global step")
+    print("| step | peers | delayed | samples | stale share | median loss | loss/ref |")
+    print("|---|---|---|---|---|---|---|")
+    for k in range(1, last + 1):
+        at_k = [e for e in events if e["epoch"] == k]
+        if not at_k:
+            continue
+        ratios = sorted(e["loss"] / (delayed[k - 1] if e.get("delayed") else delayed[k]) for e in at_k)
+        losses = sorted(e["loss"] for e in at_k)
+        print(f"| {k} | {len(at_k)} | {sum(1 for e in at_k if e.get('delayed'))} | {sizes[k - 1]} | "
+              f"{stale[k - 1]:.2f} | {losses[len(losses) // 2]:.5f} | {ratios[len(ratios) // 2]:.4f} |")
+    counts = {"gradient": [0, 0], "state": [0, 0]}  # rounds, unverified
+    for d in peer_dirs:
+        unverified = False
+        for line in (d / "log.txt").read_text(errors="replace").splitlines():
+            if "no verification this round" in line:
+                unverified = True
+                continue
+            kind = ("gradient" if "Averaged gradients with" in line or "Averaging gradients failed" in line else
+                    "state" if "Averaged parameters with" in line or "Averaging failed with" in line else None)
+            if kind:
+                counts[kind][0] += 1
+                counts[kind][1] += unverified
+                unverified = False
+    print("rounds (per peer) that could not be checked: " + ", ".join(
+        f"{kind} {bad} of {total}" for kind, (total, bad) in counts.items()))
+
+
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--epochs":
+        kept_run_epochs(Path(sys.argv[2]))
+    else:
+        main()
