@@ -68,6 +68,8 @@ class StaleStateMerge:
     the swarm's). :meth:`hold_stale_state` starts that, a successful state round ends it.
     """
 
+    weight_zero_merges = True  # RobustAveraging fails a weight-0 round that got part of the group's state
+
     def __init__(self, *args, **kwargs):
         self.stale_since: Optional[int] = None
         self.downloaded_epoch: Optional[int] = None  # the epoch of the state the last load_state_from_peers loaded

@@ -422,6 +422,8 @@ class RobustAveraging(ReportMailbox):
         *args, **kwargs: as the averager class this is mixed into (and ``verification_timeout``).
     """
 
+    weight_zero_merges = False  # whether a round of weight 0 merges a stale state (see _check_merge_complete)
+
     def __init__(self, *args, aggregation: str = "mean", centered_clip_tau: Optional[float] = None,
                  centered_clip_iters: int = DEFAULT_CENTERED_CLIP_ITERS, max_sender_weight: Optional[float] = None,
                  centered_clip_min_alignment: Optional[float] = None, verify_reducers: bool = True, **kwargs):
@@ -502,6 +504,12 @@ class RobustAveraging(ReportMailbox):
             runner.tensor_part_reducer.reduced.clear()
             self.close_mailbox_later(group_id)
 
+    def _no_retry_of_this_round(self) -> None:
+        """Clear hivemind's retry flag of the round in its all-reduce (averager process): it fails instead."""
+        for step in list(self.__dict__.get("_rounds_under_way", ())):
+            if step.stage == AveragingStage.RUNNING_ALLREDUCE and not step.done():
+                step._allow_retries = False
+
     def _check_merge_complete(self, runner: RobustAllReduceRunner, refused: Set[int], weight: Optional[float]) -> None:
         """Fail a round this peer entered with weight 0 (a stale state merged into its group's:
         :class:`~lightning_swarm.hivemind_ext.catch_up.StaleStateMerge`) unless it applied every reducer's slice.
@@ -511,15 +519,15 @@ class RobustAveraging(ReportMailbox):
         next state round on, at full weight, it pulled its groupmates towards them (bench_many_peers, 16 overlapped
         peers: a newcomer merged with 75% of the results stayed 1.5x its groupmates' loss). Failed (not retried:
         its groupmates have moved on), the round leaves the peer stale, and its next state round merges again.
-        What it did apply stays (hivemind applies a failed round's tensors too): closer to the group's, not worse."""
-        if weight is None or weight != 0:
+        What it did apply stays (hivemind applies a failed round's tensors too): closer to the group's, not worse.
+        Only in averagers whose weight-0 rounds are merges (``weight_zero_merges``, set by StaleStateMerge): a
+        gradient round of weight 0 (a peer with no samples) is an ordinary round."""
+        if not self.weight_zero_merges or weight is None or weight != 0:
             return
         container = runner.tensor_part_container
         if not container.failed_size and not refused:
             return
-        for step in list(self.__dict__.get("_rounds_under_way", ())):
-            if step.stage == AveragingStage.RUNNING_ALLREDUCE and not step.done():
-                step._allow_retries = False
+        self._no_retry_of_this_round()
         received = 1.0 - container.failed_size / max(1, container.total_size)
         raise AllreduceException(
             f"[lightning_swarm] a merging round (weight 0) got {received:.1%} of its results and "
@@ -537,9 +545,7 @@ class RobustAveraging(ReportMailbox):
         its groupmates of this epoch are averaging by now, and a retry met their next epoch's round instead, which
         left this peer one round out of step with them (the NaN swarm test: each epoch after, one honest peer's
         state round looked for the other while the other's gradient round waited for the first)."""
-        for step in list(self.__dict__.get("_rounds_under_way", ())):
-            if step.stage == AveragingStage.RUNNING_ALLREDUCE and not step.done():
-                step._allow_retries = False
+        self._no_retry_of_this_round()
         registered = self._running_groups.get(group_id)
         if registered is not None and not registered.done():
             registered.set_exception(MatchmakingException(reason))

@@ -230,6 +230,7 @@ def main() -> None:
     # (DiesWithParent: a peer that exits uncleanly takes its averager process with it, which holds the test's pipe)
     class Averager(DiesWithParent, PatientGroupRegistration, RobustAveraging, DecentralizedAverager):
         honest_parts_are_finite = True  # as the strategy's gradient averager (its local guard)
+        weight_zero_merges = True  # as the strategy's state averager: a round of weight 0 merges a stale state
 
     if args.lie == "frame":
         install_frame()

@@ -342,3 +342,11 @@ def test_a_donor_serves_the_state_of_the_update_it_holds_while_a_delayed_step_is
     finally:
         trigger.set()
         optimizer.shutdown()
+
+
+def test_only_state_rounds_of_weight_0_are_merges():
+    """A state round of weight 0 merges a newcomer's stale state, and fails if it got part of the group's state
+    (RobustAveraging._check_merge_complete); a gradient round of weight 0 (a peer with no samples) is an ordinary
+    round and keeps hivemind's handling of partial results."""
+    assert SwarmStateAverager.weight_zero_merges is True
+    assert SwarmGradientAverager.weight_zero_merges is False
