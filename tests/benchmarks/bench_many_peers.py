@@ -165,6 +165,23 @@ def run(num_peers: int, variant: str) -> dict:
             shutil.rmtree(root, ignore_errors=True)
 
 
+def references(transitions: list, last: int, model: dict) -> tuple:
+    """For global steps 1..last: the samples that entered each, the share of them taken before the previous
+    update landed (delay_optimizer_step), and the losses of one process taking those steps: plain SGD, and with that
+    share of each step's gradient taken at the parameters before the previous step."""
+    problem = {k: v for k, v in model.items() if k in ("num_params", "num_tensors")}
+    sizes = [max(1, n) for n in global_batch_sizes(transitions, last)]
+    stale = global_stale_fractions(transitions, last)
+    plain = reference_losses(sizes, **problem)
+    return sizes, stale, plain, reference_losses(sizes, stale_fractions=stale, **problem) if any(stale) else plain
+
+
+def loss_over_reference(event: dict, reference: list) -> float:
+    """A peer's loss at the epoch an event reached over the reference's at the updates it holds: one fewer while
+    its update of that epoch is delayed (delay_optimizer_step)."""
+    return event["loss"] / reference[event["epoch"] - 1 if event.get("delayed") else event["epoch"]]
+
+
 def analyse(swarm: ManyPeerSwarm, t0: float, t1: float, ideal: float) -> dict:
     everyone = swarm.retired + swarm.peers
     events = {peer.name: peer.events() for peer in everyone}
@@ -194,17 +211,10 @@ def analyse(swarm: ManyPeerSwarm, t0: float, t1: float, ideal: float) -> dict:
         if deltas:
             waits.append(sum(deltas) / len(deltas))
 
-    problem = {k: v for k, v in MODEL.items() if k in ("num_params", "num_tensors")}
-    sizes = [max(1, n) for n in global_batch_sizes(transitions, last)]
-    reference = reference_losses(sizes, **problem)
-    # with delay_optimizer_step: the same steps, each taken partly at the parameters before the previous update
-    stale = global_stale_fractions(transitions, last)
-    delayed_reference = reference_losses(sizes, stale_fractions=stale, **problem) if any(stale) else reference
+    _, stale, reference, delayed_reference = references(transitions, last, MODEL)
     at_last = [e for e in transitions if e["epoch"] == last]
     losses = [e["loss"] for e in at_last]
-    # a peer whose update of the last epoch is delayed (delay_optimizer_step) holds one update fewer at this moment
-    ratios = [e["loss"] / (delayed_reference[last - 1] if e.get("delayed") else delayed_reference[last])
-              for e in at_last]
+    ratios = [loss_over_reference(e, delayed_reference) for e in at_last]
     cpu_main, cpu_background = [], []
     for peer_events in events.values():
         ticks = [e for e in peer_events if e["kind"] == "tick" and t0 <= e["time"] <= t1]
@@ -278,11 +288,8 @@ def kept_run_epochs(run_dir: Path) -> None:
             if event["kind"] == "epoch":
                 events.append(event)
     last = max(e["epoch"] for e in events)
-    sizes = [max(1, n) for n in global_batch_sizes(events, last)]
-    stale = global_stale_fractions(events, last)
     config = json.loads((peer_dirs[0] / "config.json").read_text())
-    problem = {k: v for k, v in config["model"].items() if k in ("num_params", "num_tensors")}
-    plain, delayed = reference_losses(sizes, **problem), reference_losses(sizes, stale_fractions=stale, **problem)
+    sizes, stale, _, delayed = references(events, last, config["model"])
     print(f"== {run_dir.name}: per global step")
     print("| step | peers | delayed | samples | stale share | median loss | loss/ref |")
     print("|---|---|---|---|---|---|---|")
@@ -290,7 +297,7 @@ def kept_run_epochs(run_dir: Path) -> None:
         at_k = [e for e in events if e["epoch"] == k]
         if not at_k:
             continue
-        ratios = sorted(e["loss"] / (delayed[k - 1] if e.get("delayed") else delayed[k]) for e in at_k)
+        ratios = sorted(loss_over_reference(e, delayed) for e in at_k)
         losses = sorted(e["loss"] for e in at_k)
         print(f"| {k} | {len(at_k)} | {sum(1 for e in at_k if e.get('delayed'))} | {sizes[k - 1]} | "
               f"{stale[k - 1]:.2f} | {losses[len(losses) // 2]:.5f} | {ratios[len(ratios) // 2]:.4f} |")
