@@ -324,7 +324,11 @@ def reducer_claims(seed: bytes, reducer: int, parts: Sequence[ReducedPart], memb
     ``1 / members`` of ``c0 (0 - v)`` (as :func:`member_report`, on the same vectors), summed over the parts, with
     ``x_j`` the part it decoded, and their float32 rounding bound; each part's b_j and |x_j - v|; the digest of the
     headers it sent; the projections of its results (as :func:`member_report`'s). The sign vectors are generated
-    once per part for all senders. None if a sender's part is missing (that sender has no complete report either).
+    once per part for all senders. A sender whose part did not come in time (banned for a late part, or dead) has a
+    massless row (coefficient 0, its share of the virtual part alone), as one refused for NaN: it gets no result for
+    that part, so its report is missing, and a massless stand-in takes its place
+    (:func:`lightning_swarm.reducer_checks.judge_slice`). None if such a sender is given mass (no honest combination
+    does that).
 
     Args:
         seed: the round's seed; reducer: this reducer's index in the group.
@@ -342,7 +346,7 @@ def reducer_claims(seed: bytes, reducer: int, parts: Sequence[ReducedPart], memb
     coefficients, distances = np.zeros((senders, len(parts))), np.zeros((senders, len(parts)))
     for index, part in enumerate(parts):
         statement = part.combination
-        if any(part.received[s] is None for s in others):
+        if any(part.received[s] is None and statement.coefficients[s] != 0 for s in others):
             return None
         for s in others:
             coefficients[s, index] = statement.coefficients[s]
@@ -354,10 +358,11 @@ def reducer_claims(seed: bytes, reducer: int, parts: Sequence[ReducedPart], memb
         sets = []
         for s in others:
             b = statement.coefficients[s]
-            received = part.received[s].reshape(-1).float()
-            if b == 0 and not bool(torch.isfinite(received).all()):
-                # a part refused for NaN/Inf (coefficient 0): its row stays zeros, so that the claims stay finite
-                # and the honest members can still check this slice (its sender's own report is refused anyway)
+            received = None if part.received[s] is None else part.received[s].reshape(-1).float()
+            if received is None or (b == 0 and not bool(torch.isfinite(received).all())):
+                # a part that never came, or was refused for NaN/Inf (coefficient 0): its row stays zeros, so that
+                # the claims stay finite and the honest members can still check this slice (its sender's own report
+                # is missing or refused anyway)
                 sets.append([(result, -share_zero)])
                 error2[s] += ((RESULT_ROUNDING + PROJECTION_ROUNDING * share_zero) * result_norm) ** 2
                 continue

@@ -40,7 +40,8 @@ any size: overlap_max_peers null), fallback (the same options with the default o
 asks for overlap gets, synchronous rounds beyond that many peers), client50 (every second peer in client mode), churn (a peer, never the first, is
 SIGKILLed with its whole process group every BENCH_CHURN_SECONDS and a new one of the same speed joins), goal
 (client50 + churn: the issue's goal, >= 0.85 of ideal); a suffix "-sync" (e.g. goal-sync) also makes the state
-rounds synchronous (delay_state_averaging False); hivemindvalidators (the peers' DHTs use hivemind's record validators,
+rounds synchronous (delay_state_averaging False); unchecked (a diagnostic: the averagers apply every reducer's result
+unchecked, verify_reducers False, to tell what the rounds that can't be checked cost); hivemindvalidators (the peers' DHTs use hivemind's record validators,
 which check each record every time, instead of lightning_swarm.record_validators); kinds combine with "+"
 (goal+overlap: the goal with overlap forced).
 BENCH_KEEP_DIR=/tmp/many keeps every peer's config, log and events; `python tests/benchmarks/bench_many_peers.py
@@ -107,6 +108,8 @@ def strategy_for(num_peers: int, variant: str, ideal: float) -> dict:
         strategy.update(delay_optimizer_step=True, delay_grad_averaging=True, overlap_max_peers=None)
     if "fallback" in _kinds(variant):  # overlap asked for, with the default overlap_max_peers: synchronous beyond it
         strategy.update(delay_optimizer_step=True, delay_grad_averaging=True)
+    if "unchecked" in _kinds(variant):  # diagnostic: every reducer's result applied unchecked (not for a public swarm)
+        strategy["averager_opts"] = {"verify_reducers": False}
     return strategy
 
 

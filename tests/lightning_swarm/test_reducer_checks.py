@@ -6,6 +6,7 @@ sender's reach is refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 
@@ -607,3 +608,45 @@ def test_a_massless_stand_in_verifies_a_slice_beside_a_nan_member_and_hides_no_l
     for verdict in verdicts(result, massive):
         assert verdict.reason == ("unverifiable: a member without a report it can be held to is not massless in the "
                                   "reducer's claims (the reducer's claims give it mass)")
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "centered_clip"])
+def test_a_sender_whose_part_never_came_has_a_massless_row_and_the_slice_is_checked_without_its_report(aggregation):
+    """A sender whose part did not reach this reducer in time (banned for a late part: it then gets no result for it
+    and has no report on the slice) made the reducer's claims None, so the slice was unverifiable for everyone. Now
+    its row is massless, a massless stand-in replaces its report, and the honest slice passes; a lie hidden in that
+    row does not, and claims that give such a sender mass are not made."""
+    size, reducer, missing, members = 128, 0, 3, [1, 2, 3]
+    received = honest_group(3, size, seed=13) + [None]
+    statement = []
+    result, _, _ = screen_and_aggregate(received, [1.0, 1.0, 1.0, 0.0], None, aggregation, None, 20, None, None,
+                                        statement=statement, own=reducer)
+    combination = statement[0]
+    assert combination.coefficients[missing] == 0
+
+    def received_part(j, v):
+        return rc.ReceivedPart(received[j], v - received[j], rc.parse_header(rc.encode_header(combination, j)),
+                               0.0, 0.0)
+
+    def verdicts(v, claims):
+        reports = [rc.member_report(SEED, reducer, [received_part(j, v)], 3) for j in (1, 2)] + [None]
+        return [rc.judge_slice([received_part(j, v).header], reports, claims, members, position, reducer_sends=True,
+                               stand_ins=[None, None, rc.massless_report(SEED, reducer, [received_part(j, v)], 3)])
+                for position, j in enumerate((1, 2))]
+
+    claims = rc.reducer_claims(SEED, reducer, [rc.ReducedPart(received, result, combination)], 3, reducer)
+    assert claims is not None and claims.coefficients[missing, 0] == 0 and claims.distances[missing, 0] == 0
+    assert [v.reason for v in verdicts(result, claims)] == [None, None]
+    # a lie hidden in the missing sender's row: the claims then give it a residual no massless sender has
+    lied = result + 0.5 * torch.randn(size, generator=torch.Generator().manual_seed(4))
+    fitted = rc.reducer_claims(SEED, reducer, [rc.ReducedPart(received, lied, combination)], 3, reducer)
+    target = rc.project([(received[reducer] - lied, combination.own)], rc.part_seed(SEED, 0))
+    projections = fitted.projections.copy()
+    projections[missing] -= target + projections.sum(axis=0)
+    fitted = rc.ReducerClaims(fitted.digest, projections, fitted.errors, fitted.coefficients, fitted.distances,
+                              fitted.result, fitted.result_error)
+    for verdict in verdicts(lied, fitted):
+        assert verdict.reason is not None and verdict.reason.startswith("unverifiable: a member without a report")
+    # no honest combination gives a sender that sent nothing mass: no claims then
+    massive = dataclasses.replace(combination, coefficients=(*combination.coefficients[:3], 0.1))
+    assert rc.reducer_claims(SEED, reducer, [rc.ReducedPart(received, result, massive)], 3, reducer) is None
