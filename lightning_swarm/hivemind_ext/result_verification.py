@@ -14,8 +14,17 @@ The arithmetic is :mod:`lightning_swarm.reducer_checks`; this is the plumbing ar
   exchange three small messages each way per pair (``rpc_reducer_report``, :class:`ReportMailbox`): a commitment
   ``sha256(nonce)``, then the nonce, then each one's reports on every other reducer's slice and its claims on its own
   (:func:`lightning_swarm.reducer_checks.reducer_claims`), projected on random sign vectors seeded by
-  ``sha256(group id, all nonces)``: a seed that nobody, the reducer included, knew while the results were sent, nor
-  could choose afterwards;
+  ``sha256(group id, the members, their nonces)``: a seed that nobody, the reducer included, knew while the results
+  were sent, nor could choose afterwards;
+- **a member that failed during the round** (its results or parts did not come by ``next_chunk_timeout``: it died,
+  most often) is named in the commitment of each member that saw it (a bit mask after the 32 bytes). Nobody waits
+  for a named member; the check runs over the others (the survivors), its missing report stood in for by a massless
+  one, so the slices it has no mass in are checked and applied (before, one death left every member of a group of 16
+  its own values on 15/16 of the parameters). Once a member is named, the survivors' commitments are waited for at
+  most ``FAILURE_GRACE`` timeouts more; a member still missing one then skips the check and says so with an empty
+  nonce, which ends the others' check at once (nobody is blamed in a round that lost a member). The set of
+  survivors is fixed before a member's own nonce is out, and each report carries the seed it was projected with: a
+  member that ended up with another set has another seed, and its report is set aside, not held against it;
 - **each sender checks** every other reducer's slice (:func:`lightning_swarm.reducer_checks.judge_slice`). A slice
   that fails is not applied (the local values stay, as when a reducer fails) and named in one log line. Where the
   reducer alone is to blame it is kept out of this peer's later groups (:meth:`ReportMailbox.exclude_peer`: a leader
@@ -60,8 +69,8 @@ from lightning_swarm.hivemind_ext import relayed_messages as relayed
 from lightning_swarm.hivemind_ext.result_records import ResultRecords, StatedResults, rounding_info
 from lightning_swarm.wire_checks import MalformedTensor, check_tensor_message, compression_name
 
-__all__ = ["ReportMailbox", "ResultRecords", "StatedResults", "message_rounding", "parse_verification_message",
-           "zero_slices"]
+__all__ = ["OtherSeed", "ReportMailbox", "ResultRecords", "SkippedCheck", "StatedResults", "failed_mask",
+           "message_rounding", "parse_verification_message", "zero_slices"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +84,9 @@ RELAY_MIN_WAIT = 0.5  # a relay that answers without some records sooner than th
 # phase and then the timeout again, past the optimizer's averaging_timeout, which threw the whole round away
 # ("Averaging gradients failed with TimeoutError()": local gradients, the peers' parameters apart)
 EXCHANGE_TIMEOUTS = 2.0
+# once a member is known to have failed during the round, the others' commitments are waited for at most this share
+# of the verification timeout more: a late survivor then makes the round skip the check, not wait for it
+FAILURE_GRACE = 0.5
 
 
 class MalformedMessage(ValueError):
@@ -88,21 +100,57 @@ def message_rounding(message: runtime_pb2.Tensor, decoded: torch.Tensor) -> floa
     return rc.rounding_bound(name, decoded, info)
 
 
+class SkippedCheck(MalformedMessage):
+    """A member's empty nonce: after a member failed during the round, a survivor's commitment did not come to it in
+    time, so it skips the check (and so must everyone: the seed needs its nonce). Nobody is blamed."""
+
+
+class OtherSeed(MalformedMessage):
+    """A member's report projected with another seed than this peer's: it checks over another set of survivors (a
+    commitment naming a failed member came to one and not the other), so its report can't be set beside this
+    peer's. Nobody is blamed."""
+
+
+def failed_mask(indices, group_size: int) -> bytes:
+    """The members at ``indices`` (in the group's order) as a bit mask of ``ceil(group_size / 8)`` bytes."""
+    mask = bytearray((group_size + 7) // 8)
+    for index in indices:
+        mask[index // 8] |= 1 << (index % 8)
+    return bytes(mask)
+
+
 def parse_verification_message(message: averaging_pb2.AveragingData, group_id: bytes, phase: int,
-                               report_length: int) -> bytes | np.ndarray:
-    """A member's message of ``phase``, checked: the group, the phase (``weight``), 32 bytes in ``peer_id`` (phases 1
-    and 2), a float64 vector of exactly ``report_length`` values (phase 3, checked before decoding; its fields by
-    :func:`lightning_swarm.reducer_checks.decode_report`). Returns those bytes, or the report vector."""
+                               report_length: int, group_size: int = 0, seed: Optional[bytes] = None):
+    """A member's message of ``phase``, checked: the group, the phase (``weight``), and
+
+    - phase 1 (commitment): ``peer_id`` is 32 bytes of ``sha256(nonce)`` and a mask of the members its sender saw
+      fail during the round (:func:`failed_mask` of ``group_size`` members, no bit beyond them); returns
+      (commitment, frozenset of member indices);
+    - phase 2 (nonce): 32 bytes in ``peer_id``; returns them;
+    - phase 3 (report): the seed its sender projected with in ``peer_id`` (:class:`OtherSeed` if it is not
+      ``seed``), a float64 vector of exactly ``report_length`` values (checked before decoding; its fields by
+      :func:`lightning_swarm.reducer_checks.decode_report`); returns the vector."""
     if message.group_id != group_id:
         raise MalformedMessage("another group's message")
     if message.weight != float(phase):
         raise MalformedMessage(f"a message of phase {message.weight!r} where phase {phase} was expected")
-    if phase in (PHASE_COMMIT, PHASE_NONCE):
-        if phase == PHASE_COMMIT and len(message.peer_id) == 0:
-            raise MalformedMessage("no commitment: it saw a member fail during the round and skips the check")
+    if phase == PHASE_COMMIT:
+        mask_bytes = (group_size + 7) // 8
+        if len(message.peer_id) != NONCE_BYTES + mask_bytes:
+            raise MalformedMessage(f"{len(message.peer_id)} bytes of commitment, not {NONCE_BYTES} and a mask of "
+                                   f"{mask_bytes}")
+        mask = int.from_bytes(message.peer_id[NONCE_BYTES:], "little")
+        if mask >> group_size:
+            raise MalformedMessage(f"a mask of failed members beyond the group's {group_size}")
+        return bytes(message.peer_id[:NONCE_BYTES]), frozenset(i for i in range(group_size) if mask >> i & 1)
+    if phase == PHASE_NONCE:
+        if len(message.peer_id) == 0:
+            raise SkippedCheck("it skips the check: a member failed during the round and another was late")
         if len(message.peer_id) != NONCE_BYTES:
-            raise MalformedMessage(f"{len(message.peer_id)} bytes of commitment or nonce, not {NONCE_BYTES}")
+            raise MalformedMessage(f"{len(message.peer_id)} bytes of nonce, not {NONCE_BYTES}")
         return bytes(message.peer_id)
+    if len(message.peer_id) != NONCE_BYTES:
+        raise MalformedMessage(f"a report with {len(message.peer_id)} bytes of seed, not {NONCE_BYTES}")
     if not message.HasField("tensor_part"):
         raise MalformedMessage("a report without its values")
     try:
@@ -112,6 +160,8 @@ def parse_verification_message(message: averaging_pb2.AveragingData, group_id: b
         values = deserialize_torch_tensor(message.tensor_part)
     except MalformedTensor as e:
         raise MalformedMessage(f"report values: {e}") from None
+    if seed is not None and bytes(message.peer_id) != seed:
+        raise OtherSeed("a report projected with another seed (its sender checks over other survivors)")
     return values.numpy().astype(np.float64, copy=False)
 
 
@@ -124,10 +174,12 @@ def _left(timeout: float, until: Optional[float]) -> float:
 
 
 class _Mailbox:
-    """The verification messages of one round, by phase and sender (the first one of each is kept), and this peer's
-    own message of each phase once it is sent (the answer to a groupmate's message of that phase)."""
+    """The verification messages of one round, by phase and sender (the first one of each is kept), this peer's
+    own message of each phase once it is sent (the answer to a groupmate's message of that phase), and the members
+    known to have failed during the round (not waited for)."""
 
-    def __init__(self, members: Sequence[PeerID]):
+    def __init__(self, members: Sequence[PeerID], group_id: bytes = b""):
+        self.order, self.group_id = list(members), group_id
         self.members = set(members)
         self.messages: Dict[Tuple[int, PeerID], averaging_pb2.AveragingData] = {}
         self.own: Dict[int, averaging_pb2.AveragingData] = {}
@@ -135,11 +187,28 @@ class _Mailbox:
         # largest message each may send, and their signed records by phase and sender
         self.inner_caps: Optional[Dict[PeerID, int]] = None
         self.records: Dict[Tuple[int, PeerID], bytes] = {}
+        self.failed: Set[PeerID] = set()  # seen failing by this peer or named so in a commitment it holds
         self.changed = asyncio.Event()
 
-    def deposit(self, phase: int, sender: PeerID, record: bytes) -> None:
+    def deposit(self, phase: int, sender: PeerID, record: bytes, inner: Optional[bytes] = None) -> None:
+        """Keep a relayed member's signed record (``inner``: its message, checked, whose commitment may name failed
+        members)."""
         self.records.setdefault((phase, sender), record)
+        if phase == PHASE_COMMIT and inner is not None:
+            try:
+                self._note_failed(averaging_pb2.AveragingData.FromString(inner))
+            except Exception:  # a signed message that does not parse: its check refuses it later
+                pass
         self.changed.set()
+
+    def _note_failed(self, message: averaging_pb2.AveragingData) -> None:
+        """Add the members a commitment names as failed during the round (not waited for; a malformed one names
+        nobody)."""
+        try:
+            _, indices = parse_verification_message(message, self.group_id, PHASE_COMMIT, 0, len(self.order))
+        except MalformedMessage:
+            return
+        self.failed.update(self.order[index] for index in indices)
 
     async def relaying(self, timeout: float) -> Optional[Dict[PeerID, int]]:
         """The relayed members' size caps once this peer's check has set them (None after ``timeout`` seconds)."""
@@ -150,7 +219,15 @@ class _Mailbox:
         self.inner_caps = inner_caps
         self.changed.set()
 
+    def add_failed(self, peers) -> None:
+        peers = set(peers)
+        if not peers <= self.failed:
+            self.failed.update(peers)
+            self.changed.set()
+
     def put(self, phase: int, sender: PeerID, message: averaging_pb2.AveragingData) -> None:
+        if (phase, sender) not in self.messages and phase == PHASE_COMMIT:
+            self._note_failed(message)
         self.messages.setdefault((phase, sender), message)
         self.changed.set()
 
@@ -172,17 +249,20 @@ class _Mailbox:
             except asyncio.TimeoutError:
                 return
 
-    def skips_check(self) -> bool:
-        """Whether this peer's commitment is empty: it saw a member fail during the round and skips the check."""
-        own = self.own.get(PHASE_COMMIT)
-        return own is not None and len(own.peer_id) == 0
+    def _not_awaited(self, phase: int, peer: PeerID) -> bool:
+        """Whether a relayed member's record of ``phase`` is not to be waited for: it failed during the round, or
+        (after the commitment phase) no commitment of it came here, so it is in nobody's check through this peer."""
+        if peer in self.failed:
+            return True
+        return phase > PHASE_COMMIT and (PHASE_COMMIT, peer) not in self.records \
+            and (PHASE_COMMIT, peer) not in self.messages
 
     async def records_from(self, phase: int, senders: Sequence[PeerID], timeout: float) -> List[bytes]:
-        """The records of ``phase`` deposited by ``senders`` within ``timeout`` seconds (as soon as all are in; in
-        the commitment phase, also as soon as this peer skips the check: the round can't be checked, and a member
-        that died never deposits, which held a client-mode caller ``timeout`` in every round a groupmate died)."""
-        await self._until(lambda: (phase == PHASE_COMMIT and self.skips_check())
-                          or all((phase, peer) in self.records for peer in senders), timeout)
+        """The records of ``phase`` deposited by ``senders``, as soon as all are in except those not awaited (a
+        member that died never deposits, which held a client-mode caller ``timeout`` in every round a groupmate
+        died), or once ``timeout`` seconds have passed."""
+        await self._until(lambda: all((phase, peer) in self.records or self._not_awaited(phase, peer)
+                                      for peer in senders), timeout)
         return [self.records[(phase, peer)] for peer in senders if (phase, peer) in self.records]
 
     async def own_message(self, phase: int, timeout: float) -> Optional[averaging_pb2.AveragingData]:
@@ -190,15 +270,17 @@ class _Mailbox:
         await self._until(lambda: phase in self.own, timeout)
         return self.own.get(phase)
 
-    async def wait(self, phase: int, senders: Sequence[PeerID], timeout: float) -> Dict[PeerID, averaging_pb2.AveragingData]:
-        """The messages of ``phase`` from ``senders`` that came within ``timeout`` seconds; in the commitment phase,
-        also as soon as one of them is empty (a member that skips the check: the round can't be checked, and
-        waiting for a member that died, which never commits, would cost ``timeout``)."""
+    async def wait(self, phase: int, senders: Sequence[PeerID], timeout: float,
+                   excused: Callable[[], Set[PeerID]] = set) -> Dict[PeerID, averaging_pb2.AveragingData]:
+        """The messages of ``phase`` from ``senders`` that came within ``timeout`` seconds, as soon as all are in
+        except those from the members ``excused()`` names (checked after each message: in the commitment phase, the
+        members known to have failed during the round, which would cost ``timeout`` if waited for)."""
         def ready() -> bool:
-            if phase == PHASE_COMMIT and any(len(self.messages[(phase, peer)].peer_id) == 0 for peer in senders
-                                             if (phase, peer) in self.messages):
-                return True
-            return all((phase, peer) in self.messages for peer in senders)
+            if phase == PHASE_NONCE and any(len(self.messages[(phase, peer)].peer_id) == 0 for peer in senders
+                                            if (phase, peer) in self.messages):
+                return True  # a member that skips the check after committing: nothing can be checked
+            not_awaited = excused()
+            return all((phase, peer) in self.messages or peer in not_awaited for peer in senders)
 
         await self._until(ready, timeout)
         return {peer: self.messages[(phase, peer)] for peer in senders if (phase, peer) in self.messages}
@@ -290,14 +372,14 @@ class ReportMailbox:
         if caps is None or context.remote_id not in caps:
             return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
         try:
-            signer, _ = relayed.open_record(bytes(request.peer_id), caps[context.remote_id])
+            signer, inner = relayed.open_record(bytes(request.peer_id), caps[context.remote_id])
             if signer != context.remote_id:
                 raise relayed.MalformedRecord(f"signed by {signer}")
         except relayed.MalformedRecord as e:
             log.warning(f"[lightning_swarm] averaging: refused to relay a verification message of "
                         f"{context.remote_id}: {e}")
             return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
-        mailbox.deposit(phase, context.remote_id, bytes(request.peer_id))
+        mailbox.deposit(phase, context.remote_id, bytes(request.peer_id), inner)
         others = [peer for peer in caps if peer != context.remote_id]
         records = await mailbox.records_from(phase, others, self.verification_timeout)
         return averaging_pb2.AveragingData(group_id=request.group_id, weight=request.weight,
@@ -340,7 +422,7 @@ class ReportMailbox:
     def open_mailbox(self, group_id: bytes, members: Sequence[PeerID]) -> None:
         while len(self._mailboxes) >= MAX_MAILBOXES:
             self._mailboxes.pop(next(iter(self._mailboxes)))
-        self._mailboxes[group_id] = _Mailbox(members)
+        self._mailboxes[group_id] = _Mailbox(members, group_id)
 
     def close_mailbox(self, group_id: bytes) -> None:
         self._mailboxes.pop(group_id, None)
@@ -423,8 +505,9 @@ class ReportMailbox:
                 if not missing:
                     return
                 if loop.time() - asked < RELAY_MIN_WAIT * self.verification_timeout:
-                    # an honest relay holds the call until the records are in or its timeout (or, in the commitment
-                    # phase, until it skips the check itself: its empty commitment ends this phase here too)
+                    # an honest relay holds the call until the records are in or its timeout (it does not wait for
+                    # a member it knows failed during the round, or, after the commitment phase, one whose
+                    # commitment never came to it)
                     log.debug(f"relay {peer} answered phase {phase} after {loop.time() - asked:.2f} s without "
                               f"{missing}: stopped asking it")
                     return
@@ -469,65 +552,119 @@ class ReportMailbox:
                 return set()
         relays = callees if relaying and runner.peer_id in clients else []
         heard_directly = [peer for peer in others if not (relays and peer in clients)]
+        size = len(peers)
         failed = _failed_members(runner, others)
         if failed:
             # a member that sent no part by next_chunk_timeout or reduced nothing (it died, most often) sends no
-            # commitment either: say so now instead of waiting verification_timeout for it, and tell the others
-            # with an empty commitment (they end the exchange at once too, instead of waiting for this peer's)
-            log.warning(f"[lightning_swarm] averaging: no verification this round ({failed} failed during the "
-                        f"round): the other members' slices are not applied")
-            skip = averaging_pb2.AveragingData(group_id=group_id, weight=float(PHASE_COMMIT), peer_id=b"")
-            mailbox.post(PHASE_COMMIT, skip)
-            suspects = [peer for peer in callees if str(peer) in failed]
-            if suspects:  # perhaps only late (its results came after next_chunk_timeout): tell it too, not waiting
-                task = asyncio.create_task(self._send_all(suspects, skip, mailbox))
-                self._sending.add(task)
-                task.add_done_callback(self._sending.discard)
-            await asyncio.gather(self._send_all([peer for peer in callees if str(peer) not in failed], skip, mailbox),
-                                 self._relay_all([peer for peer in relays if str(peer) not in failed], skip, mailbox))
-            return set(reducers)
+            # commitment either: name it in the commitment, and the survivors check the slices it has no mass in
+            # (all of them were refused before: with one death in a group of 16, each member kept its own values on
+            # 15/16 of the parameters)
+            log.warning(f"[lightning_swarm] averaging: {failed} failed during the round: checking the slices they "
+                        f"have no mass in")
+        mailbox.add_failed(peer for peer in others if str(peer) in failed)
+
+        def excused() -> Set[PeerID]:
+            """The members this peer saw fail, or that a commitment it holds names so (not waited for)."""
+            return mailbox.failed - {runner.peer_id}
+
+        loop = asyncio.get_running_loop()
         timeout = self.verification_timeout
         nonce = os.urandom(NONCE_BYTES)
-        exchange_end = asyncio.get_running_loop().time() + EXCHANGE_TIMEOUTS * timeout
+        exchange_end = loop.time() + EXCHANGE_TIMEOUTS * timeout
 
-        async def phase(number: int, payload: averaging_pb2.AveragingData) -> Dict[PeerID, object]:
+        def send(number: int, payload: averaging_pb2.AveragingData) -> None:
             payload.group_id, payload.weight = group_id, float(number)
             mailbox.post(number, payload)
-            await asyncio.gather(self._send_all(callees, payload, mailbox, until=exchange_end),
-                                 self._relay_all(relays, payload, mailbox, until=exchange_end))
-            received = await mailbox.wait(number, others, _left(timeout, exchange_end))
-            parsed = {}
+            # sent in the background: a callee that died or is late answers at the timeout, and this peer waits
+            # only for the members it expects
+            for sending in (self._send_all(callees, payload, mailbox, until=exchange_end),
+                            self._relay_all(relays, payload, mailbox, until=exchange_end)):
+                task = asyncio.create_task(sending)
+                self._sending.add(task)
+                task.add_done_callback(self._sending.discard)
+
+        other_seeds: Set[PeerID] = set()
+
+        def parsed(number: int, received, seed: Optional[bytes] = None) -> Dict[PeerID, object]:
+            out = {}
             for peer, message in received.items():
                 try:
-                    parsed[peer] = parse_verification_message(message, group_id, number, lengths[peer])
+                    out[peer] = parse_verification_message(message, group_id, number, lengths[peer], size, seed)
+                except SkippedCheck:
+                    out[peer] = None
+                except OtherSeed as e:
+                    log.info(f"averaging: not set beside this peer's: the report of {peer}: {e}")
+                    other_seeds.add(peer)
                 except MalformedMessage as e:
                     log.warning(f"[lightning_swarm] averaging: refused a verification message of {peer}: {e}")
-            return parsed
+            return out
 
-        commits = await phase(PHASE_COMMIT, averaging_pb2.AveragingData(peer_id=hashlib.sha256(nonce).digest()))
-        if len(commits) < len(others):  # a member left: nothing can be checked, and waiting more changes nothing
-            absent = [peer for peer in others if peer not in commits]
-            log.warning(f"[lightning_swarm] averaging: no verification this round (no commitment from "
-                        f"{sorted(map(str, absent))}): the other members' slices are not applied")
-            self._withheld([peer for peer in absent if peer in heard_directly], "no commitment")
+        def skip(why: str) -> Set[int]:
+            """Skip the check after committing, telling the others (an empty nonce: they skip at once too)."""
+            log.warning(f"[lightning_swarm] averaging: no verification this round ({why}): the other members' "
+                        f"slices are not applied")
+            send(PHASE_NONCE, averaging_pb2.AveragingData(peer_id=b""))
             return set(reducers)
-        nonces = await phase(PHASE_NONCE, averaging_pb2.AveragingData(peer_id=nonce))
-        nonces = {peer: value for peer, value in nonces.items()
-                  if peer in commits and hashlib.sha256(value).digest() == commits[peer]}
-        if len(nonces) < len(others):
-            absent = [peer for peer in others if peer not in nonces]
+
+        # phase 1: every member's commitment, up to the timeout; once a member is known to have failed (seen here, or
+        # named in a commitment), the survivors' at most FAILURE_GRACE timeouts more
+        send(PHASE_COMMIT, averaging_pb2.AveragingData(peer_id=hashlib.sha256(nonce).digest() + failed_mask(
+            [index for index, peer in enumerate(peers) if peer in mailbox.failed], size)))
+        end, grace_end = loop.time() + _left(timeout, exchange_end), None
+        while True:
+            named = excused()
+            if named and grace_end is None:
+                grace_end = loop.time() + FAILURE_GRACE * timeout
+            limit = end if grace_end is None else min(end, grace_end)
+            if all((PHASE_COMMIT, peer) in mailbox.messages or peer in named for peer in others) \
+                    or loop.time() >= limit:
+                break
+            # (a member newly named as failed ends the wait: the limit is recomputed with the grace)
+            await mailbox.wait(PHASE_COMMIT, others, limit - loop.time(),
+                               lambda: set(others) if excused() - named else named)
+        named = excused()
+        commits = parsed(PHASE_COMMIT, {peer: mailbox.messages[(PHASE_COMMIT, peer)] for peer in others
+                                        if peer not in named and (PHASE_COMMIT, peer) in mailbox.messages})
+        # the members this check is over: all but those named as failed (fixed before any nonce of this peer's is
+        # out, and the seed is drawn from their nonces, this peer's among them: nobody can pick the set knowing the
+        # seed; a member that ends up with another set has another seed, and its report is set aside)
+        survivors = [peer for peer in members if peer not in named]
+        missing = [peer for peer in survivors if peer != runner.peer_id and peer not in commits]
+        if missing and named:
+            return skip(f"{sorted(map(str, named))} failed during the round and no commitment came from "
+                        f"{sorted(map(str, missing))} in time")
+        if missing:
+            self._withheld([peer for peer in missing if peer in heard_directly], "no commitment")
+            return skip(f"no commitment from {sorted(map(str, missing))}")
+        expected = [peer for peer in survivors if peer != runner.peer_id]
+        send(PHASE_NONCE, averaging_pb2.AveragingData(peer_id=nonce))
+        received = await mailbox.wait(PHASE_NONCE, expected, _left(EXCHANGE_TIMEOUTS * timeout, exchange_end))
+        nonces = parsed(PHASE_NONCE, received)
+        skipped = [peer for peer, value in nonces.items() if value is None]
+        if skipped:
+            log.warning(f"[lightning_swarm] averaging: no verification this round ({sorted(map(str, skipped))} "
+                        f"skipped the check): the other members' slices are not applied")
+            return set(reducers)
+        nonces = {peer: value for peer, value in nonces.items() if hashlib.sha256(value).digest() == commits[peer][0]}
+        if len(nonces) < len(expected):
+            # a member that committed must reveal: one that withholds its nonce could otherwise choose between two
+            # seeds once it has seen the others'
+            absent = [peer for peer in expected if peer not in nonces]
             log.warning(f"[lightning_swarm] averaging: no verification this round (no valid nonce from "
                         f"{sorted(map(str, absent))}): the other members' slices are not applied")
-            self._withheld([peer for peer in absent if peer in heard_directly], "no valid nonce")
+            if not named:
+                self._withheld([peer for peer in absent if peer in heard_directly], "no valid nonce")
             return set(reducers)
         nonces[runner.peer_id] = nonce
-        seed = hashlib.sha256(group_id + b"".join(nonces[peer] for peer in members)).digest()
-        own_reports, own_claims = await asyncio.get_running_loop().run_in_executor(
-            None, _member_reports, runner, seed, reducers, senders)
+        seed = hashlib.sha256(group_id + failed_mask([peers.index(peer) for peer in survivors], size)
+                              + b"".join(nonces[peer] for peer in survivors)).digest()
+        own_reports, own_claims = await loop.run_in_executor(None, _member_reports, runner, seed, reducers, senders)
         values = np.concatenate((rc.encode_report([own_reports.get(r) for r in range(len(peers))], parts_by_reducer),
                                  rc.encode_claims(own_claims, parts_by_reducer[me], len(senders))))
-        reports = await phase(PHASE_REPORT, averaging_pb2.AveragingData(
-            tensor_part=serialize_torch_tensor(torch.from_numpy(values))))
+        send(PHASE_REPORT, averaging_pb2.AveragingData(peer_id=seed,
+                                                       tensor_part=serialize_torch_tensor(torch.from_numpy(values))))
+        received = await mailbox.wait(PHASE_REPORT, expected, _left(EXCHANGE_TIMEOUTS * timeout, exchange_end))
+        reports = {peer: value for peer, value in parsed(PHASE_REPORT, received, seed).items() if value is not None}
         decoded: Dict[PeerID, List[Optional[rc.SliceReport]]] = {runner.peer_id: [own_reports.get(r) for r in
                                                                                  range(len(peers))]}
         claims: Dict[PeerID, Optional[rc.ReducerClaims]] = {}
@@ -552,8 +689,11 @@ class ReportMailbox:
         for peer in others:
             if peer in decoded:
                 self._withholding.verified(peer)
-        # (a message only a relay could bring is not held against its sender: the relay may have dropped it)
-        self._withheld([peer for peer in heard_directly if peer not in decoded], "no well-formed report")
+        # (a message only a relay could bring is not held against its sender: the relay may have dropped it; nor a
+        # report projected with another seed: its sender may have been shown another set of commitments)
+        if not named:
+            self._withheld([peer for peer in heard_directly if peer in expected and peer not in decoded
+                            and peer not in other_seeds], "no well-formed report")
         refused = set()
         for r in reducers:
             reducer = peers[r]

@@ -516,7 +516,7 @@ def fuzz_reducer_reports(rng: random.Random, count: int) -> Outcome:
     from lightning_swarm.hivemind_ext import result_verification as rv
 
     outcome = Outcome("reducer_reports")
-    group = b"g" * 32
+    group, seed = b"g" * 32, b"s" * 32
     length = rc.report_length(_REPORT_PARTS) + rc.claims_length(_REPORT_PARTS[0], 3)
     odd = (0.0, -1.0, 1.0, 2.0, 0.5, 1e308, -1e308, float("nan"), float("inf"), 2.0 ** 53, 1.5, 7.0)
     for index in range(count):
@@ -577,10 +577,15 @@ def fuzz_reducer_reports(rng: random.Random, count: int) -> Outcome:
                     if rng.random() < 0.05:
                         message.ClearField("tensor_part")
                         done.append("no tensor")
+                    message.peer_id = seed
+                    if index >= 10 and rng.random() < 0.1:
+                        message.peer_id = rng.choice((b"", b"t" * 32, seed[:31], seed + b"\x00"))
+                        done.append(f"seed of {len(message.peer_id)} bytes")
                 else:
-                    message.peer_id = os.urandom(32)
+                    # a commitment names the members its sender saw fail: a mask of the group's 3 members
+                    message.peer_id = os.urandom(32) + (bytes([rng.randrange(8)]) if phase == 1 else b"")
                     if index >= 10 and rng.random() < 0.3:
-                        message.peer_id = os.urandom(rng.choice((0, 31, 33, 1000)))
+                        message.peer_id = os.urandom(rng.choice((0, 31, 32, 33, 34, 1000)))
                         done.append(f"{len(message.peer_id)} bytes")
                 if index >= 10 and rng.random() < 0.1:
                     message.weight = rng.choice((0.0, 4.0, float("nan"), 3.0 if phase != 3 else 1.0))
@@ -593,11 +598,13 @@ def fuzz_reducer_reports(rng: random.Random, count: int) -> Outcome:
                     tensor_ok = (message.HasField("tensor_part") and message.tensor_part.dtype == "float64"
                                  and len(message.tensor_part.buffer) == 8 * length
                                  and list(message.tensor_part.size) == [length])
-                    expected = phase_ok and tensor_ok and _spec_report(values)
+                    expected = phase_ok and tensor_ok and message.peer_id == seed and _spec_report(values)
+                elif phase == 1:  # 32 bytes of commitment and one byte of mask, no bit beyond the 3 members
+                    expected = phase_ok and len(message.peer_id) == 33 and message.peer_id[32] < 8
                 else:
                     expected = phase_ok and len(message.peer_id) == 32
                 try:
-                    parsed = rv.parse_verification_message(message, group, phase, length)
+                    parsed = rv.parse_verification_message(message, group, phase, length, 3, seed)
                     if phase == 3:
                         rc.decode_report(parsed[:_REPORT_ROWS], _REPORT_PARTS)
                         rc.decode_claims(parsed[_REPORT_ROWS:], _REPORT_PARTS[0], 3)

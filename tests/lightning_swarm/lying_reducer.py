@@ -79,7 +79,7 @@ def install_withhold() -> None:
     nonce or report; it applies the results unchecked): the other members can check no slice of that round."""
     from lightning_swarm.hivemind_ext.result_verification import ReportMailbox
 
-    async def withholding(self, runner, group_id):
+    async def withholding(self, runner, group_id, **kwargs):
         return set()
 
     ReportMailbox.verify_results = withholding
@@ -163,10 +163,10 @@ def install_verification_timer() -> None:
 
     honest = ReportMailbox.verify_results
 
-    async def timed(self, runner, group_id):
+    async def timed(self, runner, group_id, **kwargs):
         start = time.monotonic()
         try:
-            return await honest(self, runner, group_id)
+            return await honest(self, runner, group_id, **kwargs)
         finally:
             print(f"VERIFIED {time.monotonic() - start:.2f}", flush=True)
 

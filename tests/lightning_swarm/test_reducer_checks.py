@@ -650,3 +650,28 @@ def test_a_sender_whose_part_never_came_has_a_massless_row_and_the_slice_is_chec
     # no honest combination gives a sender that sent nothing mass: no claims then
     massive = dataclasses.replace(combination, coefficients=(*combination.coefficients[:3], 0.1))
     assert rc.reducer_claims(SEED, reducer, [rc.ReducedPart(received, result, massive)], 3, reducer) is None
+
+
+def test_verification_messages_carry_the_failed_members_the_skip_and_the_seed():
+    """A commitment names the members its sender saw fail (a mask after the 32 bytes, no bit beyond the group); an
+    empty nonce is a member that skips the check (nobody blamed); a report carries the seed it was projected with,
+    and one projected with another is set apart from a malformed one (OtherSeed, a MalformedMessage)."""
+    from hivemind.compression.serialization import serialize_torch_tensor
+    from hivemind.proto import averaging_pb2
+
+    from lightning_swarm.hivemind_ext import result_verification as rv
+
+    group, seed = b"g" * 32, b"s" * 32
+    commitment = averaging_pb2.AveragingData(group_id=group, weight=1.0, peer_id=b"c" * 32 + rv.failed_mask([1, 9], 10))
+    assert rv.parse_verification_message(commitment, group, 1, 0, 10) == (b"c" * 32, frozenset({1, 9}))
+    for peer_id in (b"c" * 32, b"c" * 32 + bytes([0, 4]), b""):  # no mask, a bit beyond 10 members, empty
+        with pytest.raises(rv.MalformedMessage):
+            rv.parse_verification_message(averaging_pb2.AveragingData(group_id=group, weight=1.0, peer_id=peer_id),
+                                          group, 1, 0, 10)
+    with pytest.raises(rv.SkippedCheck):
+        rv.parse_verification_message(averaging_pb2.AveragingData(group_id=group, weight=2.0), group, 2, 0, 10)
+    values = serialize_torch_tensor(torch.zeros(4, dtype=torch.float64))
+    report = averaging_pb2.AveragingData(group_id=group, weight=3.0, peer_id=seed, tensor_part=values)
+    assert rv.parse_verification_message(report, group, 3, 4, 10, seed).shape == (4,)
+    with pytest.raises(rv.OtherSeed):
+        rv.parse_verification_message(report, group, 3, 4, 10, b"t" * 32)
