@@ -141,6 +141,22 @@ def install_vanish() -> None:
     result_verification._member_reports = vanish
 
 
+def install_late_commit(seconds: float) -> None:
+    """Make this process a member whose verification starts ``seconds`` late (its event loop held, as on a peer whose
+    cores are busy): its commitment reaches the others that much after theirs."""
+    import time
+
+    from lightning_swarm.hivemind_ext import result_verification
+
+    honest = result_verification._failed_members
+
+    def late(*args, **kwargs):
+        time.sleep(seconds)
+        return honest(*args, **kwargs)
+
+    result_verification._failed_members = late
+
+
 def install_leave() -> None:
     """Make this peer leave every group it joins at the start of the all-reduce, alive, as a peer does that keeps a
     groupmate out of its groups: its groupmates get no part from it and no reduction of its slice."""
@@ -179,7 +195,7 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="safetensors file for the averaged tensor")
     parser.add_argument("--initial-peer", default=None, help="multiaddr of a peer to join (none: start a DHT)")
     parser.add_argument("--lie", choices=("none", "large", "subtle", "frame", "withhold", "tamper", "drop", "slow",
-                                          "nan", "vanish", "leave"),
+                                          "nan", "vanish", "leave", "latecommit"),
                         default="none",
                         help="this peer's reducer lies (large, subtle), its reports on the others' slices (frame), "
                              "it sends no verification message (withhold), or it alters the messages it relays "
@@ -187,7 +203,8 @@ def main() -> None:
                              "reports are ready late (slow: 1.5 verification timeouts late); a member whose part "
                              "is all NaN (nan: what the gradient averager's local guard never lets an honest peer "
                              "send); a member that dies with its whole process group after the nonce phase (vanish); a "
-                             "member that leaves each group at the start of its all-reduce, alive (leave)")
+                             "member that leaves each group at the start of its all-reduce, alive (leave); an honest "
+                             "member whose commitment comes 0.9 verification timeouts late (latecommit)")
     parser.add_argument("--group-size", type=int, default=3, help="peers in the group")
     parser.add_argument("--next-chunk-timeout", type=float, default=None,
                         help="seconds a reducer waits for a sender's next part (none: hivemind's default, no limit)")
@@ -244,6 +261,8 @@ def main() -> None:
         install_vanish()
     elif args.lie == "leave":
         install_leave()
+    elif args.lie == "latecommit":
+        install_late_commit(0.9 * args.verification_timeout)
     elif args.lie not in ("none", "nan"):
         install_lie(args.lie)
     install_verification_timer()
