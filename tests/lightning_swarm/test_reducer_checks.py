@@ -113,6 +113,15 @@ def run_group(parts, weights, reducer: int, aggregation="centered_clip", min_ali
     return verdicts, combination
 
 
+def hide_lie_in_row(claims, row: int, own_part, lied, combination):
+    """``claims`` (computed from the lying result ``lied``) with sender ``row``'s projections moved so that the
+    claims sum to minus the reducer's own stated residual: a lie hidden in that row."""
+    target = rc.project([(own_part - lied, combination.own)], rc.part_seed(SEED, 0))
+    projections = claims.projections.copy()
+    projections[row] -= target + projections.sum(axis=0)
+    return dataclasses.replace(claims, projections=projections)
+
+
 def reasons(verdicts):
     return [v.reason for v in verdicts]
 
@@ -590,11 +599,7 @@ def test_a_massless_stand_in_verifies_a_slice_beside_a_nan_member_and_hides_no_l
     # a lie hidden in the NaN sender's row: claims computed from the result sent, that row moved so that the claims sum
     # to minus the reducer's own stated residual
     claims = claims_on(lied)
-    target = rc.project([(received[reducer] - lied, combination.own)], rc.part_seed(SEED, 0))
-    projections = claims.projections.copy()
-    projections[nan_member] -= target + projections.sum(axis=0)
-    fitted = rc.ReducerClaims(claims.digest, projections, claims.errors, claims.coefficients, claims.distances,
-                              claims.result, claims.result_error)
+    fitted = hide_lie_in_row(claims, nan_member, received[reducer], lied, combination)
     for verdict in verdicts(lied, fitted):
         assert verdict.reason is not None and verdict.reason.startswith("unverifiable: a member without a report")
     # the lie with that row left massless: the claims don't add up to the reducer's header
@@ -639,12 +644,8 @@ def test_a_sender_whose_part_never_came_has_a_massless_row_and_the_slice_is_chec
     assert [v.reason for v in verdicts(result, claims)] == [None, None]
     # a lie hidden in the missing sender's row: the claims then give it a residual no massless sender has
     lied = result + 0.5 * torch.randn(size, generator=torch.Generator().manual_seed(4))
-    fitted = rc.reducer_claims(SEED, reducer, [rc.ReducedPart(received, lied, combination)], 3, reducer)
-    target = rc.project([(received[reducer] - lied, combination.own)], rc.part_seed(SEED, 0))
-    projections = fitted.projections.copy()
-    projections[missing] -= target + projections.sum(axis=0)
-    fitted = rc.ReducerClaims(fitted.digest, projections, fitted.errors, fitted.coefficients, fitted.distances,
-                              fitted.result, fitted.result_error)
+    fitted = hide_lie_in_row(rc.reducer_claims(SEED, reducer, [rc.ReducedPart(received, lied, combination)], 3,
+                                               reducer), missing, received[reducer], lied, combination)
     for verdict in verdicts(lied, fitted):
         assert verdict.reason is not None and verdict.reason.startswith("unverifiable: a member without a report")
     # no honest combination gives a sender that sent nothing mass: no claims then
