@@ -81,14 +81,19 @@ def make_recorder(out_dir: str, stop_time: float, handler: OutcomeHandler, tick_
 
         def on_train_batch_start(self, trainer: Any, module: Any, *args: Any) -> None:
             self.batch_started = time.perf_counter()
-            if self.update_pending and not torch.equal(module.weights[0].detach()[:64], self.fingerprint):
-                self.update_pending = False
-            self.batch_stale = self.update_pending  # this batch's gradient is taken before the update landed
             if self.epoch is None:  # the strategy joined the swarm (and downloaded its state if it joined late)
                 self.epoch = trainer.strategy.global_epoch
                 handler.take()
                 self.write(kind="start", epoch=self.epoch, loss=module.excess_loss(), batch=module.batch,
                            rate=module.samples_per_second)
+
+        def on_before_backward(self, trainer: Any, module: Any, loss: Any) -> None:
+            # here, not at the batch's start: hivemind's Optimizer.step applies a delayed update that finished
+            # before it runs the closure (training_step and backward), so the batch in which an update lands takes
+            # its gradient after it
+            if self.update_pending and not torch.equal(module.weights[0].detach()[:64], self.fingerprint):
+                self.update_pending = False
+            self.batch_stale = self.update_pending  # this batch's gradient is taken before the update landed
 
         def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
             self.wait += max(0.0, time.perf_counter() - self.batch_started - module.step_seconds)
