@@ -322,14 +322,32 @@ class ManyPeerSwarm:
 
 # ------------------------------------------------------------------------------------------------------- analysis
 def epoch_events(peers: List[SimPeer]) -> List[Dict[str, Any]]:
-    """Every peer's "epoch" events (how it reached each global epoch), with its name under "peer"."""
-    return [dict(e, peer=peer.name) for peer in peers for e in peer.events() if e["kind"] == "epoch"]
+    """Every peer's "epoch" events (how it reached each global epoch), see :func:`peer_epoch_events`."""
+    return [e for peer in peers for e in peer_epoch_events(peer.name, peer.events())]
+
+
+def peer_epoch_events(name: str, events: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """One peer's "epoch" events, in order, with its name under "peer" and under "round_outcomes" the outcomes of
+    the gradient round of the samples each carries (see :func:`entered`)."""
+    own = [dict(e, peer=name) for e in events if e["kind"] == "epoch"]
+    for event, after in zip(own, own[1:] + [None]):
+        # with delay_grad_averaging the round of an event's samples starts at that event and ends in the background
+        # during the next epoch: its outcome is logged with the peer's next event (None: the peer was killed or the
+        # run ended first, the outcome never came)
+        event["round_outcomes"] = (event["outcomes"] if not event.get("delayed")
+                                   else after["outcomes"] if after is not None else None)
+    return own
 
 
 def entered(event: Dict[str, Any]) -> bool:
     """Whether the samples a peer accumulated before this epoch went into the swarm's global step: it stepped one
-    epoch with its own gradients averaged (not a failed round, not a catch-up that discards them)."""
-    return event["previous"] == event["epoch"] - 1 and not any(o in ("failed", "resync") for o in event["outcomes"])
+    epoch (not a catch-up that discards them) and the gradient round of those samples did not fail. With overlap
+    (the event is "delayed") that round's outcome comes with the peer's next event (:func:`epoch_events`); a round
+    whose outcome never came (the peer's last event) counts as entered."""
+    if event["previous"] != event["epoch"] - 1 or "resync" in event["outcomes"]:
+        return False
+    outcomes = event.get("round_outcomes", event["outcomes"])
+    return not any(o == "failed" for o in outcomes or ())
 
 
 def global_batch_sizes(events: List[Dict[str, Any]], last_epoch: int) -> List[int]:

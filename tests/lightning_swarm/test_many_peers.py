@@ -79,6 +79,28 @@ def test_global_stale_fractions_weigh_each_step_by_its_entered_samples():
     assert global_stale_fractions(events, 3) == [0.75, 0.25, 0.0]
 
 
+def test_an_overlapped_peers_samples_are_judged_by_the_round_outcome_logged_with_its_next_event():
+    """With overlap the round of an epoch's samples ends during the next epoch: its failure comes with the peer's
+    next event, and the samples of the event before it are the ones lost (a peer's last event: outcome unknown)."""
+
+    class Logged:
+        name = "p"
+
+        def events(self):
+            return [dict(kind="epoch", previous=0, epoch=1, samples=10, outcomes=[], delayed=True),
+                    dict(kind="epoch", previous=1, epoch=2, samples=20, outcomes=["averaged:2"], delayed=True),
+                    dict(kind="epoch", previous=2, epoch=3, samples=30, outcomes=["failed"], delayed=True),
+                    dict(kind="tick", epoch=3),
+                    dict(kind="epoch", previous=3, epoch=4, samples=40, outcomes=["averaged:2"], delayed=True),
+                    dict(kind="epoch", previous=2, epoch=5, samples=50, outcomes=["resync"], delayed=True)]
+
+    events = epoch_events([Logged()])
+    assert [entered(e) for e in events] == [True, False, True, True, False]
+    assert global_batch_sizes(events, 5) == [10, 0, 30, 40, 0]
+    synchronous = [dict(e, delayed=False) for e in Logged().events() if e["kind"] == "epoch"]
+    assert [entered(e) for e in synchronous] == [True, True, False, True, False]
+
+
 @pytest.mark.slow
 def test_many_peers_follow_one_process_through_churn(tmp_path):
     """8 peers of speeds 20-200 samples/s (one reachable peer starts the swarm, every second one in client mode) train
