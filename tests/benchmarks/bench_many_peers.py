@@ -17,8 +17,9 @@ Per run (one row), over the steady window (from BENCH_WARMUP s after every peer 
 - failed, resync: the window's epoch transitions after a failed gradient round (local gradients) or a catch-up
   (counted in the window only since 2026-11-28: rounds under way when the peers stop at the run's end fail too);
   with overlap a round's outcome is logged in the background during the next epoch, so each transition carries the
-  outcome of the round before it (the counts hold, one epoch late, and entered judges an epoch's samples by the
-  round before theirs);
+  outcome of the round before it (the counts hold, one epoch late); entered judges an epoch's samples by the
+  outcome logged with the peer's next transition (since 4e3862d; a peer's last epoch, whose outcome never came,
+  counts as entered);
 - wait s/step: per peer, seconds of its local steps beyond the simulated compute, per global step (mean of peers);
 - loss/ref: the peers' excess loss after the last global step of the window (median of peers), over one process
   (computed here) that took SGD steps with the same number of samples per global step (the sum of what the peers
