@@ -122,11 +122,12 @@ class SwarmGradientAverager(DiesWithParent, HivemindRpcNames, RoundEpochs, Authe
     groupmates' parts wait for their group to be registered (:mod:`~lightning_swarm.hivemind_ext.round_groups`),
     screened all-reduce (``aggregation``, ``centered_clip_tau``, ``centered_clip_iters``,
     ``centered_clip_min_alignment``; each sender's weight at most the samples in its progress record, read from
-    ``progress_key``), no non-finite gradient sent, and a newcomer does not download the donor's gradient buffers
-    (they are reset right after), its own are served to at most ``max_state_downloads`` requesters at once, one
-    download each (:mod:`~lightning_swarm.hivemind_ext.state_serving`); in a run with an authority only authenticated
-    peers share a group and download state (``swarm_auth``); a member's malformed gathered data does not fail the
-    round (:mod:`~lightning_swarm.hivemind_ext.gathered_checks`); its process dies with the trainer
+    ``progress_key``: in an overlapped round, its samples of the round's epoch), no non-finite gradient sent, and a
+    newcomer does not download the donor's gradient buffers (they are reset right after), its own are served to at
+    most ``max_state_downloads`` requesters at once, one download each
+    (:mod:`~lightning_swarm.hivemind_ext.state_serving`); in a run with an authority only authenticated peers share a
+    group and download state (``swarm_auth``); a member's malformed gathered data does not fail the round
+    (:mod:`~lightning_swarm.hivemind_ext.gathered_checks`); its process dies with the trainer
     (:mod:`~lightning_swarm.hivemind_ext.lifetime`)."""
 
 
