@@ -7,7 +7,7 @@ hivemind takes each sender's weight from its own message; :class:`ProgressBounde
 A round matched per epoch (overlapped rounds, :mod:`~lightning_swarm.hivemind_ext.epoch_rounds`) runs while its
 members already count the next epoch's samples: their latest records are of the next epoch, with a step or two of
 samples (an honest sender's weight of 3000 samples was lowered to 300 in every other round of 2 overlapped peers, and
-the swarm's loss went 13-28% above one process's). So while such a round waits for its group and its trigger, the
+the loss at those steps went 9-27% above one process's: docs/notes/swarm-at-scale-measurements.md). So while such a round waits for its group and its trigger, the
 averager reads the records every ``record_poll_interval`` seconds and keeps each sender's largest count per epoch;
 a sender is bounded by its count of the epoch whose samples the round averages (the one before the epoch the round
 leads to, its ``round_epoch``), even once its latest record is of a later epoch.
