@@ -154,11 +154,12 @@ def progress_weight_bounds(records: object, epoch: Optional[int] = None,
     whose latest record is of a later epoch and whose count of that epoch was never seen gets no bound here (the
     caller's fallback: the largest bound in the group), and a record of an earlier epoch bounds as it says."""
     bounds: Dict[PeerID, float] = {}
+    seen = seen or {}
     for peer, record in _valid_records(records):
         if epoch is None or record.epoch < epoch:
             bound = float(record.samples_accumulated)
         else:
-            bound = (seen or {}).get((peer, int(epoch)), 0.0)
+            bound = seen.get((peer, int(epoch)), 0.0)
             if record.epoch == epoch:
                 bound = max(bound, float(record.samples_accumulated))
         bounds[peer] = max(bounds.get(peer, 0.0), bound)

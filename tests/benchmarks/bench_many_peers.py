@@ -70,7 +70,7 @@ from paths import REPO  # noqa: E402
 
 sys.path.insert(0, str(REPO / "tests" / "lightning_swarm"))
 from many_peers import (ManyPeerSwarm, PeerSpec, entered, epoch_events, global_batch_sizes,  # noqa: E402
-                        global_stale_fractions, peer_epoch_events)
+                        global_stale_fractions, peer_epoch_events, read_events)
 from netns_harness import shaped_network  # noqa: E402
 from sim_accelerator import reference_losses  # noqa: E402
 
@@ -287,8 +287,7 @@ def kept_run_epochs(run_dir: Path) -> None:
     peer_dirs = sorted(d for d in run_dir.iterdir() if (d / "events.jsonl").exists())
     events = []
     for d in peer_dirs:
-        lines = (d / "events.jsonl").read_text().splitlines()
-        events.extend(peer_epoch_events(d.name, [json.loads(line) for line in lines]))
+        events.extend(peer_epoch_events(d.name, read_events(d)))
     last = max(e["epoch"] for e in events)
     config = json.loads((peer_dirs[0] / "config.json").read_text())
     sizes, stale, _, delayed = references(events, last, config["model"])

@@ -98,10 +98,7 @@ class SimPeer:
         return path.read_text(errors="replace") if path.exists() else ""
 
     def events(self) -> List[Dict[str, Any]]:
-        path = self.out_dir / "events.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return read_events(self.out_dir)
 
     def join_address(self) -> Optional[List[str]]:
         match = JOIN_OPTION.search(self.log())
@@ -321,6 +318,14 @@ class ManyPeerSwarm:
 
 
 # ------------------------------------------------------------------------------------------------------- analysis
+def read_events(out_dir: Path) -> List[Dict[str, Any]]:
+    """A peer's events.jsonl (sim_peer.py) as a list ([] before it wrote any)."""
+    path = Path(out_dir) / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def epoch_events(peers: List[SimPeer]) -> List[Dict[str, Any]]:
     """Every peer's "epoch" events (how it reached each global epoch), see :func:`peer_epoch_events`."""
     return [e for peer in peers for e in peer_epoch_events(peer.name, peer.events())]
