@@ -197,6 +197,9 @@ class SwarmOptimizer(CatchUpAfterDownload, hivemind.Optimizer):
         if isinstance(self.grad_averager, RoundEpochSender):  # its rounds are matched with rounds of their epoch
             self.grad_averager.round_epoch = self._next_epoch  # (state rounds always, gradient rounds when overlapped)
             self.grad_averager.epoch_keys = self._rounds_matched_per_epoch
+        if isinstance(self.grad_averager, ProgressBoundedWeights) and hasattr(self.tracker, "epoch_counts"):
+            # an overlapped round bounds its senders by their counts of its epoch, which the tracker has read
+            self.grad_averager.round_counts = self.tracker.epoch_counts
         # a round of an epoch the swarm has finished finds nobody: give it up after a matchmaking window
         # (through a weak reference: the thread must not keep a dropped optimizer, and its averagers, alive)
         self.late_rounds = LateRounds(_weak_call(self._peek_global_epoch, default=-1), grace=self.matchmaking_time)

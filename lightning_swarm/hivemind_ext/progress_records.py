@@ -16,10 +16,11 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 
@@ -104,6 +105,29 @@ def well_formed_records(metadata: Any, now: float, keep: Optional[Any] = None) -
             continue
         kept[subkey] = entry
     return kept
+
+
+def valid_records(records: Any) -> Iterator[Tuple[PeerID, LocalTrainingProgress]]:
+    """(peer id, record) of each well-formed record of a DHT progress dict (see :func:`check_progress_record`);
+    malformed ones are skipped silently (:func:`well_formed_records` logs them where the tracker reads them)."""
+    if not isinstance(records, dict):
+        return
+    now = get_dht_time()
+    for entry in records.values():
+        try:
+            record = check_progress_record(getattr(entry, "value", None), now)
+            peer = PeerID(record.peer_id)
+        except Exception:
+            continue
+        yield peer, record
+
+
+def note_counts(seen: Dict[Tuple[PeerID, int], float], records: Any) -> None:
+    """Keep in ``seen`` each peer's largest ``samples_accumulated`` per epoch from the progress ``records`` (a DHT
+    progress dict). A peer id claimed by several records keeps the largest count (a peer cannot lower another's)."""
+    for peer, record in valid_records(records):
+        key = (peer, int(record.epoch))
+        seen[key] = max(seen.get(key, 0.0), float(record.samples_accumulated))
 
 
 def _log_refusal(sender: str, reason: str) -> None:

@@ -25,13 +25,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 from hivemind.optim.progress_tracker import GlobalTrainingProgress, LocalTrainingProgress, ProgressTracker
 from hivemind.utils import get_dht_time
 from hivemind.utils.timed_storage import ValueWithExpiration
 
-from lightning_swarm.hivemind_ext.progress_records import well_formed_records
+from hivemind.p2p import PeerID
+
+from lightning_swarm.hivemind_ext.progress_records import note_counts, well_formed_records
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,11 @@ class ThrottledProgressTracker(ProgressTracker):
             raise ValueError(f"min_report_interval must be >= 0 seconds, got {min_report_interval!r}")
         self.min_report_interval = min_report_interval
         self._counted_itself = False  # whether global_progress.num_peers includes this peer
+        # each peer's largest samples_accumulated per epoch, as read: an overlapped gradient round bounds its
+        # senders' weights by their counts of the epoch it averages (weight_bounds.py); not under
+        # lock_global_progress, which hivemind holds through a global step (pause_updates)
+        self._epoch_counts: Dict[Tuple[PeerID, int], float] = {}
+        self._epoch_counts_lock = threading.Lock()
         super().__init__(*args, start=False, **kwargs)  # this fetches the progress once
         self.should_report_progress = _ThrottledEvent(self._report_interval(self.global_progress))
         if start:
@@ -147,6 +154,11 @@ class ThrottledProgressTracker(ProgressTracker):
                 self.local_progress.dict(), get_dht_time() + self.metadata_expiration
             )
         self._counted_itself = isinstance(metadata, dict) and self._local_public_key in metadata
+        with self._epoch_counts_lock:
+            note_counts(self._epoch_counts, metadata)
+            oldest = self.local_progress.epoch - 1  # the epoch a round under way may still average
+            for key in [key for key in self._epoch_counts if key[1] < oldest]:
+                del self._epoch_counts[key]
         progress = super()._parse_swarm_progress_data(metadata)
         # hivemind's __init__ parses a first fetch before it creates should_report_progress (replaced by ours after)
         if isinstance(getattr(self, "should_report_progress", None), _ThrottledEvent):
@@ -166,6 +178,16 @@ class ThrottledProgressTracker(ProgressTracker):
             self.global_progress = self._parse_swarm_progress_data(metadata)
             self.fetched_global_progress_this_epoch.set()
         return self.global_progress
+
+    def epoch_counts(self, epoch: int) -> Dict[bytes, float]:
+        """The largest ``samples_accumulated`` of ``epoch`` this tracker read in each peer's record (peer id bytes
+        -> samples; this peer's own from its live progress), over all fetches of that epoch and the one after it.
+
+        Args:
+            epoch: the epoch; counts of epochs before this peer's previous one are not kept.
+        """
+        with self._epoch_counts_lock:
+            return {peer.to_bytes(): count for (peer, of), count in self._epoch_counts.items() if of == epoch}
 
     def peek_global_epoch(self, timeout: float = 5.0) -> int:
         """The swarm's epoch read from the DHT now, as ``global_epoch`` would be after a fetch, without taking the

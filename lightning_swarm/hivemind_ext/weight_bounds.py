@@ -7,10 +7,13 @@ hivemind takes each sender's weight from its own message; :class:`ProgressBounde
 A round matched per epoch (overlapped rounds, :mod:`~lightning_swarm.hivemind_ext.epoch_rounds`) runs while its
 members already count the next epoch's samples: their latest records are of the next epoch, with a step or two of
 samples (an honest sender's weight of 3000 samples was lowered to 300 in every other round of 2 overlapped peers, and
-the loss at those steps went 9-27% above one process's: docs/notes/swarm-at-scale-measurements.md). So while such a round waits for its group and its trigger, the
-averager reads the records every ``record_poll_interval`` seconds and keeps each sender's largest count per epoch;
-a sender is bounded by its count of the epoch whose samples the round averages (the one before the epoch the round
-leads to, its ``round_epoch``), even once its latest record is of a later epoch.
+the loss at those steps went 9-27% above one process's: docs/notes/swarm-at-scale-measurements.md). Such a round
+bounds each sender by its largest count of the epoch whose samples the round averages (the one before the epoch the
+round leads to, its ``round_epoch``), even once its latest record is of a later epoch. Those counts come from the
+trainer's progress tracker, which reads every record of the swarm through the epoch anyway (as often as every
+``min_refresh_period`` near its end): when the optimizer triggers the round, :meth:`ProgressBoundedWeights.step`
+hands the averager's process the largest count the tracker saw of each peer in the ending epoch, with the round
+(an averager that polled the DHT itself cost one read per second per waiting round, on the cores that train).
 """
 
 from __future__ import annotations
@@ -18,22 +21,23 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import PeerID
-from hivemind.utils import get_dht_time
 
-from lightning_swarm.hivemind_ext.progress_records import check_progress_record
+# note_counts is re-exported: the tracker keeps the counts, tests read them here
+from lightning_swarm.hivemind_ext.progress_records import note_counts, valid_records  # noqa: F401
 from lightning_swarm.hivemind_ext.robust_allreduce import RobustAveraging
 from lightning_swarm.hivemind_ext.state import progress_key as run_progress_key
 
 log = logging.getLogger(__name__)
 
 
-RECORD_POLL_INTERVAL = 1.0  # seconds between reads of the records while a round matched per epoch waits
+ROUND_COUNTS_TIMEOUT = 1.0  # seconds a round matched per epoch waits for its counts from the trainer's tracker
+ROUND_COUNTS_KEPT = 4  # epochs of counts the averager's process keeps
 
-# (averager process) the round whose _step runs in this task: its StepControl and the counts seen for its epoch
+# (averager process) the StepControl of the round whose _step runs in this task
 _ROUND: contextvars.ContextVar = contextvars.ContextVar("lightning_swarm_weight_bounds_round", default=None)
 
 
@@ -46,62 +50,104 @@ class ProgressBoundedWeights(RobustAveraging):
     publishes its progress when its step ends the epoch
     (:class:`~lightning_swarm.hivemind_ext.tracker.ThrottledProgressTracker`), so its record is at most a step or two
     behind its weight, which then counts a little less. In a round matched per epoch (its ``StepControl`` has a
-    ``round_epoch``), the bound is the largest count of the epoch whose samples the round averages, read while the
-    round waited (see the module docstring) or in the latest record.
+    ``round_epoch``), the bound is the largest count of the epoch whose samples the round averages, from the
+    trainer's tracker (see the module docstring) or the latest record.
+
+    ``round_counts`` (attribute, trainer's process): a callable giving, for an epoch, the largest count this peer's
+    tracker saw of each peer in it (peer id bytes -> samples), e.g.
+    :meth:`~lightning_swarm.hivemind_ext.tracker.ThrottledProgressTracker.epoch_counts`; :meth:`step` (the
+    optimizer's trigger of a gradient round) hands the averager's process those of the epoch a round matched per
+    epoch averages. None: such rounds are bounded by the latest records only.
 
     Args:
         progress_key: the run's progress key in the DHT (``f"{run_id}_progress"``). Default: derived from the
             averager's prefix as hivemind.Optimizer names it (``f"{run_id}_grad_averager"``).
-        record_poll_interval: seconds between reads of the progress records while a round matched per epoch waits
-            for its group and its trigger.
+        round_counts_timeout: seconds a round matched per epoch waits, when it reads the bounds, for the counts the
+            trainer sends with its trigger (they come within milliseconds; without them the latest records bound).
         *args, **kwargs: as :class:`RobustAveraging`.
     """
 
+    round_counts: Optional[Callable[[int], Mapping[bytes, float]]] = None
+
     def __init__(self, *args, progress_key: Optional[str] = None,
-                 record_poll_interval: float = RECORD_POLL_INTERVAL, **kwargs):
+                 round_counts_timeout: float = ROUND_COUNTS_TIMEOUT, **kwargs):
         if progress_key is None:
             prefix = kwargs.get("prefix", "")
             if not prefix.endswith("_grad_averager"):
                 raise ValueError(f"give progress_key: it can't be derived from the averager's prefix {prefix!r}")
             progress_key = run_progress_key(prefix[: -len("_grad_averager")])
-        if not record_poll_interval > 0:
-            raise ValueError(f"record_poll_interval must be a positive number of seconds, got {record_poll_interval!r}")
+        if not round_counts_timeout >= 0:
+            raise ValueError(f"round_counts_timeout must be >= 0 seconds, got {round_counts_timeout!r}")
         self.progress_key = progress_key
-        self.record_poll_interval = float(record_poll_interval)
+        self.round_counts_timeout = float(round_counts_timeout)
         super().__init__(*args, **kwargs)
 
-    async def _step(self, *, step: Any, **kwargs):
-        # (averager process) hivemind runs each _step in a task of its own: the round's state is this task's
-        seen: Dict[Tuple[PeerID, int], float] = {}
-        _ROUND.set((step, seen))
-        watcher = asyncio.create_task(self._watch_records(step, seen))
-        try:
-            return await super()._step(step=step, **kwargs)
-        finally:
-            watcher.cancel()
+    def step(self, *args, **kwargs):
+        """(trainer's process) As the averager's ``step``; first, for a round matched per epoch, hands the averager's
+        process the counts of the epoch whose samples it averages (see ``round_counts``)."""
+        epoch = self._samples_epoch(kwargs["control"] if "control" in kwargs else args[0] if args else None)
+        if epoch is not None and self.round_counts is not None and self.is_alive():
+            counts = {bytes(peer): float(count) for peer, count in self.round_counts(epoch).items()}
+            self._outer_pipe.send(("_note_round_counts", [], dict(epoch=epoch, counts=counts)))
+        return super().step(*args, **kwargs)
 
-    async def _watch_records(self, step: Any, seen: Dict[Tuple[PeerID, int], float]) -> None:
-        """Until the round's all-reduce reads the bounds, keep each sender's largest count per epoch in ``seen``
-        (rounds matched per epoch only: a synchronous round starts once its members ended their epoch)."""
-        while getattr(step, "round_epoch", None) is not None and not getattr(step, "weight_bounds_read", False):
+    def _samples_epoch(self, control: Any) -> Optional[int]:
+        """(trainer's process) The epoch whose samples the round that ``step(control=control)`` triggers averages, if
+        that round is matched per epoch (a gradient round's ``round_epoch`` is the epoch it leads to); None if not."""
+        if control is not None:  # a round scheduled before (RoundEpochSender named its epoch then)
+            round_epoch = getattr(control, "round_epoch", None)
+        else:  # a round started and triggered at once: RoundEpochSender names its epoch as it starts it
+            round_epoch_of, epoch_keys = getattr(self, "round_epoch", None), getattr(self, "epoch_keys", None)
+            if round_epoch_of is None or (epoch_keys is not None and not epoch_keys()):
+                return None
+            round_epoch = round_epoch_of()
+        return None if round_epoch is None else int(round_epoch) - 1
+
+    async def _note_round_counts(self, epoch: int, counts: Dict[bytes, float]) -> None:
+        """(averager process) The counts of ``epoch`` from the trainer's tracker, for the round that averages its
+        samples.
+
+        Args:
+            epoch: the epoch the trainer is ending.
+            counts: peer id bytes -> the largest ``samples_accumulated`` of that epoch its tracker saw.
+        """
+        rounds = self.__dict__.setdefault("_round_counts", {})
+        rounds[int(epoch)] = counts
+        for old in sorted(rounds)[:-ROUND_COUNTS_KEPT]:
+            del rounds[old]
+        arrived = self.__dict__.setdefault("_round_counts_arrived", {}).pop(int(epoch), None)
+        if arrived is not None:
+            arrived.set()
+
+    async def _counts_of(self, epoch: int) -> Dict[Tuple[PeerID, int], float]:
+        """(averager process) The counts of ``epoch`` the trainer sent, waiting for them at most
+        ``round_counts_timeout`` seconds, as ``(peer, epoch) -> samples``."""
+        rounds = self.__dict__.setdefault("_round_counts", {})
+        if epoch not in rounds and self.round_counts_timeout > 0:
+            arrived = self.__dict__.setdefault("_round_counts_arrived", {}).setdefault(epoch, asyncio.Event())
             try:
-                found = await asyncio.wait_for(self.dht.get(self.progress_key, latest=True, return_future=True),
-                                               timeout=self.request_timeout)
-                note_counts(seen, found.value if found else None)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # the read at the all-reduce says so if the records stay unreadable
-                pass
-            await asyncio.sleep(self.record_poll_interval)
+                await asyncio.wait_for(arrived.wait(), timeout=self.round_counts_timeout)
+            except asyncio.TimeoutError:
+                self.__dict__["_round_counts_arrived"].pop(epoch, None)
+        seen: Dict[Tuple[PeerID, int], float] = {}
+        for peer, count in rounds.get(epoch, {}).items():
+            try:
+                seen[(PeerID(peer), epoch)] = float(count)
+            except Exception:  # (from this peer's own trainer: never malformed, but never trusted to crash a round)
+                continue
+        return seen
+
+    async def _step(self, *, step: Any, **kwargs):
+        # (averager process) hivemind runs each _step in a task of its own: the round's control is this task's
+        _ROUND.set(step)
+        return await super()._step(step=step, **kwargs)
 
     async def sender_weight_bounds(self, group_info: GroupInfo) -> Optional[Dict[PeerID, float]]:
-        round_state = _ROUND.get()
-        step, seen = round_state if round_state is not None else (None, {})
+        step = _ROUND.get()
         # a gradient round's epoch is the one its step leads to: its samples were counted in the epoch before
         round_epoch = getattr(step, "round_epoch", None)
         epoch = None if round_epoch is None else int(round_epoch) - 1
-        if step is not None:
-            step.weight_bounds_read = True  # (stops the watcher)
+        seen = await self._counts_of(epoch) if epoch is not None else {}
         try:
             found = await asyncio.wait_for(self.dht.get(self.progress_key, latest=True, return_future=True),
                                            timeout=self.request_timeout)
@@ -121,27 +167,6 @@ class ProgressBoundedWeights(RobustAveraging):
         return {peer: bounds.get(peer, fallback) for peer in group_info.peer_ids}
 
 
-def _valid_records(records: object):
-    """(peer id, record) of each well-formed record (see check_progress_record); malformed ones are skipped."""
-    if not isinstance(records, dict):
-        return
-    now = get_dht_time()
-    for entry in records.values():
-        try:
-            record = check_progress_record(getattr(entry, "value", None), now)
-            peer = PeerID(record.peer_id)
-        except Exception:
-            continue
-        yield peer, record
-
-
-def note_counts(seen: Dict[Tuple[PeerID, int], float], records: object) -> None:
-    """Keep in ``seen`` each peer's largest ``samples_accumulated`` per epoch from the progress ``records``."""
-    for peer, record in _valid_records(records):
-        key = (peer, int(record.epoch))
-        seen[key] = max(seen.get(key, 0.0), float(record.samples_accumulated))
-
-
 def progress_weight_bounds(records: object, epoch: Optional[int] = None,
                            seen: Optional[Dict[Tuple[PeerID, int], float]] = None) -> Dict[PeerID, float]:
     """Per-peer bound on a gradient weight from the progress records in the DHT (subkey -> ValueWithExpiration of
@@ -149,13 +174,14 @@ def progress_weight_bounds(records: object, epoch: Optional[int] = None,
     (:func:`~lightning_swarm.hivemind_ext.progress_records.check_progress_record`) are skipped. A peer id claimed by
     several records gets the largest bound (a peer cannot lower another's).
 
-    With ``epoch`` (a round matched per epoch: the epoch whose samples it averages) and the counts ``seen`` while it
-    waited (see :func:`note_counts`): a peer's bound is its largest count of that epoch, read now or before; a peer
-    whose latest record is of a later epoch and whose count of that epoch was never seen gets no bound here (the
-    caller's fallback: the largest bound in the group), and a record of an earlier epoch bounds as it says."""
+    With ``epoch`` (a round matched per epoch: the epoch whose samples it averages) and the counts ``seen`` before
+    (by the trainer's tracker, see :func:`~lightning_swarm.hivemind_ext.progress_records.note_counts`): a peer's
+    bound is its largest count of that epoch, read now or before; a peer whose latest record is of a later epoch
+    and whose count of that epoch was never seen gets no bound here (the caller's fallback: the largest bound in the
+    group), and a record of an earlier epoch bounds as it says."""
     bounds: Dict[PeerID, float] = {}
     seen = seen or {}
-    for peer, record in _valid_records(records):
+    for peer, record in valid_records(records):
         if epoch is None or record.epoch < epoch:
             bound = float(record.samples_accumulated)
         else:
