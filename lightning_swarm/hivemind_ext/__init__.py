@@ -43,6 +43,10 @@ Every private name used is listed in :data:`~lightning_swarm.hivemind_ext.privat
     - ``DecentralizedAverager._step``: extended, the epoch is put on the round's StepControl.
     - ``DecentralizedAverager._outer_pipe`` and ``DecentralizedAverager._run_internal``: the trainer's process sends
       ``_set_round_epoch`` through the pipe, and the averager's process runs the method a message names.
+``weight_bounds`` (a sender's gradient weight at most its samples on record)
+    - ``DecentralizedAverager._step``: extended, the round's StepControl is kept for its bounds (its epoch).
+    - ``DecentralizedAverager._outer_pipe`` and ``DecentralizedAverager._run_internal``: the trainer's process sends
+      ``_note_round_counts`` (its tracker's counts of the round's epoch) through the pipe with the round's trigger.
 ``tracker`` (progress published at a bounded rate)
     - ``ProgressTracker._parse_swarm_progress_data`` and ``ProgressTracker._local_public_key``: count our own
       samples from the live progress, not from our possibly older DHT record.

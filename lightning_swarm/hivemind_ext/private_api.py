@@ -304,6 +304,13 @@ PRIVATE_SYMBOLS: Tuple[PrivateSymbol, ...] = tuple(
     + _symbols("hivemind.averaging.averager", "round_groups", [
         ("DecentralizedAverager._running_groups", "a groupmate's part waits until its group is registered here"),
     ], instance=True)
+    + _symbols("hivemind.averaging.averager", "weight_bounds", [
+        ("DecentralizedAverager._step", "extended: the round's StepControl kept for its weight bounds"),
+        ("DecentralizedAverager._run_internal", "runs the method a pipe message names: _note_round_counts is sent so"),
+    ])
+    + _symbols("hivemind.averaging.averager", "weight_bounds", [
+        ("DecentralizedAverager._outer_pipe", "sends the tracker's counts of the round's epoch to the averager"),
+    ], instance=True)
     + _symbols("hivemind.averaging.averager", "epoch_rounds", [
         ("DecentralizedAverager._step", "extended: the round's epoch put on its StepControl"),
         ("DecentralizedAverager._run_internal", "runs the method a pipe message names: _set_round_epoch is sent so"),

@@ -28,8 +28,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import PeerID
 
-# note_counts is re-exported: the tracker keeps the counts, tests read them here
-from lightning_swarm.hivemind_ext.progress_records import note_counts, valid_records  # noqa: F401
+from lightning_swarm.hivemind_ext.progress_records import valid_records
 from lightning_swarm.hivemind_ext.robust_allreduce import RobustAveraging
 from lightning_swarm.hivemind_ext.state import progress_key as run_progress_key
 
@@ -131,6 +130,8 @@ class ProgressBoundedWeights(RobustAveraging):
                 await asyncio.wait_for(arrived.wait(), timeout=self.round_counts_timeout)
             except asyncio.TimeoutError:
                 self.__dict__["_round_counts_arrived"].pop(epoch, None)
+                log.warning(f"[lightning_swarm] averaging: no counts of epoch {epoch} from this peer's tracker within "
+                         f"{self.round_counts_timeout} s: the senders are bounded by their latest records")
         seen: Dict[Tuple[PeerID, int], float] = {}
         for peer, count in rounds.get(epoch, {}).items():
             try:

@@ -15,8 +15,9 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 from lightning_swarm.hivemind_ext.epoch_rounds import RoundEpochs, RoundEpochSender
 from lightning_swarm.hivemind_ext.group_keys import MovingGroupKeys
 from lightning_swarm.hivemind_ext.optimizer import HivemindRpcNames
+from lightning_swarm.hivemind_ext.progress_records import note_counts
 from lightning_swarm.hivemind_ext.tracker import ThrottledProgressTracker
-from lightning_swarm.hivemind_ext.weight_bounds import ProgressBoundedWeights, note_counts, progress_weight_bounds
+from lightning_swarm.hivemind_ext.weight_bounds import ProgressBoundedWeights, progress_weight_bounds
 
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 PROGRESS_KEY = "bounds_progress"
