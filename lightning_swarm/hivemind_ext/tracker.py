@@ -181,13 +181,18 @@ class ThrottledProgressTracker(ProgressTracker):
 
     def epoch_counts(self, epoch: int) -> Dict[bytes, float]:
         """The largest ``samples_accumulated`` of ``epoch`` this tracker read in each peer's record (peer id bytes
-        -> samples; this peer's own from its live progress), over all fetches of that epoch and the one after it.
+        -> samples; this peer's own from its live progress, up to its latest report), over all fetches of that
+        epoch and the one after it.
 
         Args:
             epoch: the epoch; counts of epochs before this peer's previous one are not kept.
         """
         with self._epoch_counts_lock:
-            return {peer.to_bytes(): count for (peer, of), count in self._epoch_counts.items() if of == epoch}
+            counts = {peer.to_bytes(): count for (peer, of), count in self._epoch_counts.items() if of == epoch}
+        own = self.local_progress  # its latest step (the one ending the epoch) reported, maybe not yet fetched
+        if own.epoch == epoch:
+            counts[own.peer_id] = max(counts.get(own.peer_id, 0.0), float(own.samples_accumulated))
+        return counts
 
     def peek_global_epoch(self, timeout: float = 5.0) -> int:
         """The swarm's epoch read from the DHT now, as ``global_epoch`` would be after a fetch, without taking the

@@ -13,9 +13,10 @@ round leads to, its ``round_epoch``), even once its latest record is of a later 
 trainer's progress tracker, which reads every record of the swarm through the epoch anyway (as often as every
 ``min_refresh_period`` near its end): when the optimizer triggers the round, :meth:`ProgressBoundedWeights.step`
 hands the averager's process the largest count the tracker saw of each peer in the ending epoch, with the round
-(an averager that polled the DHT itself cost one read per second per waiting round, on the cores that train). When
-those counts name every member of the group the round reads no records at all; otherwise it reads the latest ones
-and takes the larger of the two per sender.
+(an averager that polled the DHT itself cost one read per second per waiting round, on the cores that train). The
+round still reads the latest records once, for each sender's last step (stored as its epoch ended, after the
+tracker's last read), and takes the larger count per sender; when the tracker's counts name every member of the
+group that read waits at most ``ROUND_RECORDS_TIMEOUT`` and, failing, the counts alone bound the senders.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 
 ROUND_COUNTS_TIMEOUT = 1.0  # seconds a round matched per epoch waits for its counts from the trainer's tracker
 ROUND_COUNTS_KEPT = 4  # epochs of counts the averager's process keeps
+ROUND_RECORDS_TIMEOUT = 1.0  # at most this long (s) a round with the tracker's counts of every sender reads records
 
 # (averager process) the StepControl of the round whose _step runs in this task
 _ROUND: contextvars.ContextVar = contextvars.ContextVar("lightning_swarm_weight_bounds_round", default=None)
@@ -152,15 +154,19 @@ class ProgressBoundedWeights(RobustAveraging):
         epoch = None if round_epoch is None else int(round_epoch) - 1
         seen = await self._counts_of(epoch) if epoch is not None else {}
         counted = {peer: count for (peer, _), count in seen.items() if count > 0}
-        if counted and all(peer in counted for peer in group_info.peer_ids):
-            # the tracker's counts name every sender: no DHT read, which the all-reduce would wait for (under load
-            # it timed out at request_timeout in about one round in four of 16 peers on 2 cores, and the round
-            # then had no bounds at all). A sender's last step after the tracker's last read counts a step low.
-            return {peer: counted[peer] for peer in group_info.peer_ids}
+        named_all = bool(counted) and all(peer in counted for peer in group_info.peer_ids)
+        # the tracker's counts miss each sender's last step before its trigger (its record of that step is stored
+        # as the epoch ends): the latest records have it. With counts for every sender the read waits less (under
+        # load it timed out at request_timeout in about one round in four of 16 peers on 2 cores) and a read that
+        # fails leaves the counts' bounds instead of none.
+        timeout = min(self.request_timeout, ROUND_RECORDS_TIMEOUT) if named_all else self.request_timeout
         try:
             found = await asyncio.wait_for(self.dht.get(self.progress_key, latest=True, return_future=True),
-                                           timeout=self.request_timeout)
-        except Exception as e:  # refusing everyone would split the swarm: CenteredClip's median cap still holds
+                                           timeout=timeout)
+        except Exception as e:
+            if named_all:
+                return {peer: counted[peer] for peer in group_info.peer_ids}
+            # refusing everyone would split the swarm: CenteredClip's median cap still holds
             log.warning(f"[lightning_swarm] averaging: could not read the progress records ({e!r}): "
                         "no weight bounds this round")
             return None

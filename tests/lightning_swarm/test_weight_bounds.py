@@ -148,6 +148,9 @@ def test_the_tracker_keeps_each_peers_largest_count_of_an_epoch_after_the_peer_m
         tracker.report_local_progress(local_epoch=0, samples_accumulated=7)
         fetched(6, {A: 300})
         assert tracker.epoch_counts(0) == {tracker.local_progress.peer_id: 7.0}
+        # ... up to its latest report, before any fetch read it (the step that ends the epoch triggers the round)
+        tracker.report_local_progress(local_epoch=0, samples_accumulated=9)
+        assert tracker.epoch_counts(0) == {tracker.local_progress.peer_id: 9.0}
     finally:
         tracker.shutdown(timeout=5)
         dht.shutdown()
