@@ -14,9 +14,12 @@ trainer's progress tracker, which reads every record of the swarm through the ep
 ``min_refresh_period`` near its end): when the optimizer triggers the round, :meth:`ProgressBoundedWeights.step`
 hands the averager's process the largest count the tracker saw of each peer in the ending epoch, with the round
 (an averager that polled the DHT itself cost one read per second per waiting round, on the cores that train). The
-round still reads the latest records once, for each sender's last step (stored as its epoch ended, after the
-tracker's last read), and takes the larger count per sender; when the tracker's counts name every member of the
-group that read waits at most ``ROUND_RECORDS_TIMEOUT`` and, failing, the counts alone bound the senders.
+round still reads the latest records once (a sender the tracker never read, or a later count) and takes the larger
+count per sender; when the tracker's counts name every member of the group that read waits at most
+``ROUND_RECORDS_TIMEOUT`` and, failing, the counts alone bound the senders. A sender's record of the step that ends
+its epoch is stored as the round starts, mostly too late for that read: an overlapped round bounds an honest
+sender a step below its weight (4 peers, 15 s epochs: every sender of every round, by 10%), which keeps the
+weights' proportions only where the peers' steps take equal times.
 """
 
 from __future__ import annotations
@@ -155,10 +158,9 @@ class ProgressBoundedWeights(RobustAveraging):
         seen = await self._counts_of(epoch) if epoch is not None else {}
         counted = {peer: count for (peer, _), count in seen.items() if count > 0}
         named_all = bool(counted) and all(peer in counted for peer in group_info.peer_ids)
-        # the tracker's counts miss each sender's last step before its trigger (its record of that step is stored
-        # as the epoch ends): the latest records have it. With counts for every sender the read waits less (under
-        # load it timed out at request_timeout in about one round in four of 16 peers on 2 cores) and a read that
-        # fails leaves the counts' bounds instead of none.
+        # the latest records may hold a later count, or a sender the tracker never read. With counts for every
+        # sender the read waits less (under load it timed out at request_timeout in about one round in four of 16
+        # peers on 2 cores) and a read that fails leaves the counts' bounds instead of none.
         timeout = min(self.request_timeout, ROUND_RECORDS_TIMEOUT) if named_all else self.request_timeout
         try:
             found = await asyncio.wait_for(self.dht.get(self.progress_key, latest=True, return_future=True),
