@@ -28,10 +28,9 @@ import time
 from typing import Dict, Optional, Tuple
 
 from hivemind.optim.progress_tracker import GlobalTrainingProgress, LocalTrainingProgress, ProgressTracker
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.timed_storage import ValueWithExpiration
-
-from hivemind.p2p import PeerID
 
 from lightning_swarm.hivemind_ext.progress_records import note_counts, well_formed_records
 
