@@ -93,8 +93,7 @@ class ProgressBoundedWeights(RobustAveraging):
         process the counts of the epoch whose samples it averages (see ``round_counts``)."""
         epoch = self._samples_epoch(kwargs["control"] if "control" in kwargs else args[0] if args else None)
         if epoch is not None and self.round_counts is not None and self.is_alive():
-            counts = {bytes(peer): float(count) for peer, count in self.round_counts(epoch).items()}
-            self._outer_pipe.send(("_note_round_counts", [], dict(epoch=epoch, counts=counts)))
+            self._outer_pipe.send(("_note_round_counts", [], dict(epoch=epoch, counts=dict(self.round_counts(epoch)))))
         return super().step(*args, **kwargs)
 
     def _samples_epoch(self, control: Any) -> Optional[int]:
@@ -125,9 +124,9 @@ class ProgressBoundedWeights(RobustAveraging):
         if arrived is not None:
             arrived.set()
 
-    async def _counts_of(self, epoch: int) -> Dict[Tuple[PeerID, int], float]:
-        """(averager process) The counts of ``epoch`` the trainer sent, waiting for them at most
-        ``round_counts_timeout`` seconds, as ``(peer, epoch) -> samples``."""
+    async def _counts_of(self, epoch: int) -> Dict[PeerID, float]:
+        """(averager process) The counts of ``epoch`` the trainer sent (those above 0), waiting for them at most
+        ``round_counts_timeout`` seconds."""
         rounds = self.__dict__.setdefault("_round_counts", {})
         if epoch not in rounds and self.round_counts_timeout > 0:
             arrived = self.__dict__.setdefault("_round_counts_arrived", {}).setdefault(epoch, asyncio.Event())
@@ -137,13 +136,14 @@ class ProgressBoundedWeights(RobustAveraging):
                 self.__dict__["_round_counts_arrived"].pop(epoch, None)
                 log.warning(f"[lightning_swarm] averaging: no counts of epoch {epoch} from this peer's tracker within "
                          f"{self.round_counts_timeout} s: the senders are bounded by their latest records")
-        seen: Dict[Tuple[PeerID, int], float] = {}
+        counted: Dict[PeerID, float] = {}
         for peer, count in rounds.get(epoch, {}).items():
             try:
-                seen[(PeerID(peer), epoch)] = float(count)
+                if count > 0:
+                    counted[PeerID(peer)] = float(count)
             except Exception:  # (from this peer's own trainer: never malformed, but never trusted to crash a round)
                 continue
-        return seen
+        return counted
 
     async def _step(self, *, step: Any, **kwargs):
         # (averager process) hivemind runs each _step in a task of its own: the round's control is this task's
@@ -155,8 +155,7 @@ class ProgressBoundedWeights(RobustAveraging):
         # a gradient round's epoch is the one its step leads to: its samples were counted in the epoch before
         round_epoch = getattr(step, "round_epoch", None)
         epoch = None if round_epoch is None else int(round_epoch) - 1
-        seen = await self._counts_of(epoch) if epoch is not None else {}
-        counted = {peer: count for (peer, _), count in seen.items() if count > 0}
+        counted = await self._counts_of(epoch) if epoch is not None else {}
         named_all = bool(counted) and all(peer in counted for peer in group_info.peer_ids)
         # the latest records may hold a later count, or a sender the tracker never read. With counts for every
         # sender the read waits less (under load it timed out at request_timeout in about one round in four of 16
@@ -174,6 +173,7 @@ class ProgressBoundedWeights(RobustAveraging):
             return None
         # a record of 0 samples says nothing about this round: with delay_grad_averaging its peer may already have
         # published the next epoch's (a sender refused by every reducer would keep its own gradient, out of sync)
+        seen = {(peer, epoch): count for peer, count in counted.items()}
         bounds = {peer: bound for peer, bound in
                   progress_weight_bounds(found.value if found else None, epoch=epoch, seen=seen).items() if bound > 0}
         if not bounds:
